@@ -1,0 +1,21 @@
+# The two commands a user needs: `make serve` and `make test`. Both set up .venv first.
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/default.yaml
+
+.PHONY: setup serve test test-fast prepare-model
+
+setup:
+	@bash scripts/setup.sh
+
+prepare-model: setup
+	$(VENV)/bin/knnlm-serve prepare-model
+
+serve: setup
+	$(VENV)/bin/knnlm-serve --config $(CONFIG)
+
+test: setup
+	$(PY) -m pytest tests
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow"

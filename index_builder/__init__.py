@@ -1,0 +1,1 @@
+"""index_builder: corpus -> sharded FAISS kNN-LM datastore with a manifest."""

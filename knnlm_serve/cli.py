@@ -1,0 +1,71 @@
+"""`knnlm-serve`: prepare the default model, then run vLLM's OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from knnlm_serve.config import ConfigError, ServeConfig, load_serve_config
+from knnlm_serve.model import DEFAULT_MODEL, ModelError, prepare_default_model, resolve_model
+
+
+def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
+    argv = [
+        "--model", model_dir,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--max-model-len", str(config.max_model_len),
+        "--dtype", config.dtype,
+        "--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30)),
+    ]
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    if config.served_model_name:
+        argv += ["--served-model-name", config.served_model_name]
+    return argv + list(config.vllm_args)
+
+
+def run_vllm_server(argv: list[str]) -> None:
+    """Run vLLM's own OpenAI server in this process, as `vllm serve` would."""
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(description="knnlm-serve (vLLM OpenAI server)"))
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    uvloop.run(run_server(args))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="knnlm-serve", description=__doc__)
+    parser.add_argument("command", nargs="?", choices=["serve", "prepare-model"], default="serve")
+    parser.add_argument("--config", help="YAML file with the server settings (see configs/)")
+    parser.add_argument("--model", help='"default" or an HF causal-LM directory (overrides the config)')
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--force", action="store_true", help="prepare-model: convert again even if cached")
+    args = parser.parse_args(argv)
+    try:
+        config = load_serve_config(args.config, model=args.model, host=args.host, port=args.port)
+        if args.command == "prepare-model":
+            if config.model == DEFAULT_MODEL:
+                print(prepare_default_model(force=args.force))
+            else:
+                print(resolve_model(config.model))
+            return
+        if config.model == DEFAULT_MODEL:
+            prepare_default_model()
+        model_dir = resolve_model(config.model)
+    except (ConfigError, ModelError) as e:
+        sys.exit(f"knnlm-serve: error: {e}")
+    run_vllm_server(vllm_server_argv(config, str(model_dir)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""All of knnlm-serve's settings: one pydantic model per section, loaded from `configs/*.yaml`.
+
+Every knob a user can turn lives here, with its default and its meaning; the CLIs only map
+their flags onto these models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+KeyType = Literal["final", "ffn_input"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BuildConfig(_Strict):
+    """How `knnlm-index build` turns a corpus into a datastore."""
+
+    key_type: KeyType = Field("ffn_input", description="final: input of the LM head; ffn_input: input of the last layer's MLP")
+    context_length: int = Field(512, gt=1, description="tokens per encoded window")
+    stride: int = Field(256, gt=0, description="new tokens per window; the rest is left context")
+    batch_size: int = Field(8, gt=0, description="windows per forward pass")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the forward pass (match the server)")
+    index: str = Field("auto", description="flat | ivfpq | hnsw | auto | any FAISS factory string")
+    pca_dim: int | None = Field(None, gt=0, description="reduce keys to this dimension with PCA first")
+    shards: int = Field(1, gt=0)
+    train_sample: int = Field(262_144, gt=0, description="keys sampled to train the quantizers")
+    keep_keys: bool = Field(False, description="store fp16 keys beside each shard for exact re-scoring")
+    text_field: str = Field("text", description="field holding the text in .jsonl inputs")
+    on_bad_utf8: Literal["skip", "error"] = Field("skip", description="files that are not UTF-8: skip with a warning, or fail")
+    seed: int = 0
+
+
+class ServeConfig(_Strict):
+    """`knnlm-serve --config FILE`: the model, the HTTP server, and what vLLM gets."""
+
+    model: str = Field("default", description='"default" (embedded SmolLM2) or an HF causal-LM directory')
+    served_model_name: str | None = Field(None, description="model name clients send; default: the directory name")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, gt=0, lt=65536)
+    max_model_len: int = Field(2048, gt=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="vLLM's compute dtype; the datastore's keys must have been built in the same"
+    )
+    kv_cache_gib: float = Field(2.0, gt=0, description="memory reserved for the KV cache (CPU RAM or GPU memory)")
+    enforce_eager: bool = Field(False, description="skip torch.compile: faster start, slower decode")
+    vllm_args: list[str] = Field(default_factory=list, description="extra vLLM server flags, passed through verbatim")
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the file and the field."""
+
+
+def load_serve_config(path: str | Path | None, **overrides) -> ServeConfig:
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings at the top level")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ServeConfig(**data)
+    except ValidationError as e:
+        where = f"{path}: " if path else ""
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"{where}invalid configuration: {problems}") from None
