@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 KeyType = Literal["final", "ffn_input"]
 
@@ -35,6 +35,12 @@ class BuildConfig(_Strict):
     text_field: str = Field("text", description="field holding the text in .jsonl inputs")
     on_bad_utf8: Literal["skip", "error"] = Field("skip", description="files that are not UTF-8: skip with a warning, or fail")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _stride_leaves_context(self) -> "BuildConfig":
+        if self.stride >= self.context_length:
+            raise ValueError(f"stride ({self.stride}) must be below context_length ({self.context_length})")
+        return self
 
 
 class ServeConfig(_Strict):

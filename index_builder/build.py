@@ -1,0 +1,273 @@
+"""`knnlm-index build`: corpus -> tokens -> keys -> trained quantizer -> shards -> manifest.
+
+The build runs in a hidden sibling directory `.<name>.partial` and is renamed into place only
+after the manifest is written, so a killed build never leaves a directory that looks complete.
+Each phase leaves a durable result there (tokens, keys written batch by batch with a progress
+record, the trained index, finished shards), so rerunning the same command resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import faiss
+import numpy as np
+from tqdm import tqdm
+
+import knnlm_serve
+from index_builder.corpus import CorpusError, find_files, iter_documents
+from index_builder.encode import KeyEncoder, plan_windows, window_values
+from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string, needs_training, set_nprobe, train_index
+from knnlm_serve.config import BuildConfig
+from knnlm_serve.datastore import (
+    MANIFEST,
+    BuildStats,
+    CorpusStats,
+    DatastoreError,
+    IndexSpec,
+    Manifest,
+    ModelIdentity,
+    ShardEntry,
+    file_entry,
+    write_json_atomic,
+)
+from knnlm_serve.model import check_model_dir, model_fingerprint
+
+ADD_BATCH = 65_536
+
+
+def build_datastore(
+    inputs: list[str | Path],
+    output: str | Path,
+    model_dir: str | Path,
+    config: BuildConfig = BuildConfig(),
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Manifest:
+    started = time.monotonic()
+    output = Path(output).resolve()
+    model_dir = check_model_dir(model_dir)
+    _check_output(output, overwrite)
+    files = find_files(inputs)
+    work = output.with_name(f".{output.name}.partial")
+    _prepare_workdir(work, files, model_dir, config)
+
+    if not (work / MANIFEST).exists():
+        try:  # input errors surface here, before any expensive work: leave nothing behind
+            corpus = _tokenize(work, files, model_dir, config, progress)
+            plan = plan_windows(np.load(work / "doc_offsets.npy"), config.context_length, config.stride)
+            if plan.entries == 0:
+                raise CorpusError(f"the corpus ({', '.join(map(str, inputs))}) has no text to index")
+            if config.shards > plan.entries:
+                raise CorpusError(f"--shards {config.shards} is more than the {plan.entries} entries of this corpus")
+        except CorpusError:
+            shutil.rmtree(work)
+            raise
+        tokens = np.load(work / "tokens.npy", mmap_mode="r")
+        values = window_values(tokens, plan)
+        encoder = KeyEncoder(model_dir, config.key_type, config.dtype)
+        encode_rate = _encode(work, tokens, plan, encoder, config, progress)
+        factory = index_factory_string(config.index, plan.entries, encoder.dim, config.pca_dim)
+        keys = np.load(work / "keys.npy", mmap_mode="r")
+        train_size = _train(work, keys, factory, config, progress)
+        shards = _add_shards(work, keys, values, config, progress)
+        manifest = Manifest(
+            model=ModelIdentity(
+                name=model_dir.name,
+                fingerprint=model_fingerprint(model_dir),
+                hidden_size=encoder.dim,
+                vocab_size=encoder.model.config.vocab_size,
+                dtype=config.dtype,
+            ),
+            key_type=config.key_type,
+            dim=encoder.dim,
+            index=IndexSpec(factory=factory, nprobe=DEFAULT_NPROBE if "IVF" in factory else None, train_size=train_size),
+            entries=plan.entries,
+            shards=shards,
+            corpus=corpus,
+            build=BuildStats(
+                context_length=config.context_length,
+                stride=config.stride,
+                seconds=round(time.monotonic() - started, 2),
+                encode_tokens_per_s=round(encode_rate, 1),
+                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                tool_version=knnlm_serve.__version__,
+            ),
+        )
+        write_json_atomic(work / MANIFEST, manifest.model_dump(mode="json"))
+    manifest = Manifest.model_validate_json((work / MANIFEST).read_text())
+    _publish(work, output)
+    if progress:
+        print(
+            f"knnlm-index: {output}: {manifest.entries:,} entries in {len(manifest.shards)} shard(s), "
+            f"{manifest.index.factory}, key {manifest.key_type} (dim {manifest.dim}), "
+            f"{manifest.corpus.documents} documents, {manifest.build.seconds:.1f} s"
+        )
+    return manifest
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    if not output.exists() or overwrite:
+        return
+    if (output / MANIFEST).exists():
+        raise DatastoreError(f"{output} already holds a datastore; pass --overwrite to replace it")
+    if not output.is_dir() or any(output.iterdir()):
+        raise DatastoreError(f"{output} exists and is not an empty directory; choose another output or pass --overwrite")
+
+
+def _prepare_workdir(work: Path, files: list[Path], model_dir: Path, config: BuildConfig) -> None:
+    """Resume `work` if it holds this very build; start afresh if it holds another one."""
+    identity = {
+        "files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        "model": model_fingerprint(model_dir),
+        "config": config.model_dump(mode="json"),
+    }
+    build_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    marker = work / "build.json"
+    if work.exists():
+        if marker.exists() and json.loads(marker.read_text()).get("build_id") == build_id:
+            return
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    write_json_atomic(marker, {"build_id": build_id, **identity})
+
+
+def _tokenize(work: Path, files: list[Path], model_dir: Path, config: BuildConfig, progress: bool) -> CorpusStats:
+    """All documents' token ids, concatenated, with document offsets; done once per build."""
+    stats_file = work / "corpus.json"
+    if stats_file.exists():
+        return CorpusStats.model_validate_json(stats_file.read_text())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    skipped: list[str] = []
+    lengths = []
+    raw = work / "tokens.bin"
+    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="tokenize", disable=not progress)
+    with open(raw, "wb") as out:
+        for text in iter_documents(files, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8, skipped=skipped):
+            ids = np.asarray(tokenizer(text).input_ids, dtype=np.int32)
+            out.write(ids.tobytes())
+            lengths.append(len(ids))
+            bar.update(len(text.encode()))
+    bar.close()
+    tokens = np.fromfile(raw, dtype=np.int32)
+    np.save(work / "tokens.npy", tokens)
+    raw.unlink()
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    np.save(work / "doc_offsets.npy", offsets)
+    stats = CorpusStats(sources=[str(f) for f in files], documents=len(lengths), tokens=int(offsets[-1]), skipped_files=skipped)
+    write_json_atomic(stats_file, stats.model_dump(mode="json"))
+    return stats
+
+
+def _encode(work: Path, tokens: np.ndarray, plan, encoder: KeyEncoder, config: BuildConfig, progress: bool) -> float:
+    """Keys into an fp16 memmap, batch by batch; `encode.json` records the batches on disk."""
+    keys_file, progress_file = work / "keys.npy", work / "encode.json"
+    done = json.loads(progress_file.read_text())["batches_done"] if progress_file.exists() else 0
+    if keys_file.exists() and done:
+        keys = np.load(keys_file, mmap_mode="r+")
+    else:
+        keys = np.lib.format.open_memmap(keys_file, mode="w+", dtype=np.float16, shape=(plan.entries, encoder.dim))
+        done = 0
+    windows, offsets = plan.windows, plan.entry_offsets
+    starts = range(0, len(windows), config.batch_size)
+    fed = lambda i, j: int((windows[i:j, 2] - windows[i:j, 0]).sum())  # noqa: E731
+    bar = tqdm(total=fed(0, len(windows)), unit="tok", unit_scale=True, desc="encode", disable=not progress)
+    bar.update(fed(0, min(done * config.batch_size, len(windows))))
+    t0, encoded = time.monotonic(), 0
+    for b in range(done, len(starts)):
+        i, j = starts[b], min(starts[b] + config.batch_size, len(windows))
+        batch = [tokens[f:k1] for f, _, k1 in windows[i:j]]
+        for (f, k0, k1), vectors, w in zip(windows[i:j], encoder.encode(batch), range(i, j)):
+            keys[offsets[w] : offsets[w + 1]] = vectors[k0 - f : k1 - f]
+        keys.flush()
+        write_json_atomic(progress_file, {"batches_done": b + 1})
+        encoded += fed(i, j)
+        bar.update(fed(i, j))
+    bar.close()
+    return encoded / max(time.monotonic() - t0, 1e-9)
+
+
+def _train(work: Path, keys: np.ndarray, factory: str, config: BuildConfig, progress: bool) -> int:
+    trained = work / "trained.faiss"
+    if trained.exists():
+        return json.loads((work / "trained.json").read_text())["train_size"]
+    if not needs_training(factory, keys.shape[1]):
+        faiss.write_index(faiss.index_factory(keys.shape[1], factory, faiss.METRIC_L2), str(trained))
+        write_json_atomic(work / "trained.json", {"train_size": 0})
+        return 0
+    rng = np.random.default_rng(config.seed)
+    n = min(len(keys), config.train_sample)
+    sample = np.asarray(keys[np.sort(rng.choice(len(keys), n, replace=False))], dtype=np.float32)
+    if progress:
+        print(f"train: {factory} on {n:,} keys ...", flush=True)
+    t0 = time.monotonic()
+    index = train_index(factory, sample, seed=config.seed)
+    faiss.write_index(index, str(work / ".trained.faiss.tmp"))
+    os.replace(work / ".trained.faiss.tmp", trained)
+    write_json_atomic(work / "trained.json", {"train_size": n})
+    if progress:
+        print(f"train: done in {time.monotonic() - t0:.1f} s", flush=True)
+    return n
+
+
+def _add_shards(work: Path, keys: np.ndarray, values: np.ndarray, config: BuildConfig, progress: bool) -> list[ShardEntry]:
+    """Split the entries evenly into contiguous shards; each is added to a clone of the trained index."""
+    bounds = np.linspace(0, len(keys), config.shards + 1).astype(np.int64)
+    bar = tqdm(total=len(keys), unit="key", unit_scale=True, desc="add", disable=not progress)
+    shards = []
+    for s in range(config.shards):
+        lo, hi = int(bounds[s]), int(bounds[s + 1])
+        name = f"shard-{s:03d}"
+        final = work / name
+        if not final.exists():
+            tmp = work / f".{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            index = faiss.read_index(str(work / "trained.faiss"))
+            set_nprobe(index, DEFAULT_NPROBE)
+            for start in range(lo, hi, ADD_BATCH):
+                end = min(start + ADD_BATCH, hi)
+                index.add(np.asarray(keys[start:end], dtype=np.float32))
+                bar.update(end - start)
+            faiss.write_index(index, str(tmp / "index.faiss"))
+            np.save(tmp / "values.npy", values[lo:hi])
+            if config.keep_keys:
+                np.save(tmp / "keys.npy", np.asarray(keys[lo:hi]))
+            os.replace(tmp, final)
+        else:
+            bar.update(hi - lo)
+        shards.append(
+            ShardEntry(
+                name=name,
+                entries=hi - lo,
+                index=file_entry(work, final / "index.faiss"),
+                values=file_entry(work, final / "values.npy"),
+                keys=file_entry(work, final / "keys.npy") if config.keep_keys else None,
+            )
+        )
+    bar.close()
+    return shards
+
+
+def _publish(work: Path, output: Path) -> None:
+    """Drop the build's scratch files, then move the finished datastore into place."""
+    keep = {MANIFEST} | {p.name for p in work.glob("shard-*")}
+    for item in work.iterdir():
+        if item.name not in keep:
+            shutil.rmtree(item) if item.is_dir() else item.unlink()
+    old = output.with_name(f".{output.name}.old")
+    if output.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(output, old)
+    os.replace(work, output)
+    shutil.rmtree(old, ignore_errors=True)

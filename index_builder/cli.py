@@ -1,0 +1,82 @@
+"""`knnlm-index`: build, inspect and verify kNN-LM datastores."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+
+from index_builder.corpus import CorpusError
+from knnlm_serve.config import BuildConfig
+from knnlm_serve.datastore import DatastoreError
+from knnlm_serve.model import DEFAULT_MODEL, ModelError, prepare_default_model, resolve_model
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, model: type[BuildConfig]) -> None:
+    """One flag per BuildConfig field, with its type, choices, default and description."""
+    for name, field in model.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        annotation = field.annotation
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+            annotation = args[0]
+        help_text = f"{field.description or ''} (default: {field.default})".strip()
+        if annotation is bool:
+            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+        elif typing.get_origin(annotation) is typing.Literal:
+            parser.add_argument(flag, choices=typing.get_args(annotation), help=help_text)
+        elif typing.get_origin(field.annotation) is typing.Literal:
+            parser.add_argument(flag, choices=args, help=help_text)
+        else:
+            parser.add_argument(flag, type=annotation, help=help_text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="knnlm-index", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    build = commands.add_parser("build", help="corpus -> sharded FAISS datastore")
+    build.add_argument("inputs", nargs="+", help=".txt/.md/.rst/.jsonl files (optionally .gz) or directories")
+    build.add_argument("-o", "--output", required=True, help="datastore directory to create")
+    build.add_argument("--model", default=DEFAULT_MODEL, help='"default" (SmolLM2) or an HF causal-LM directory')
+    build.add_argument("--overwrite", action="store_true", help="replace an existing datastore at --output")
+    build.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_config_flags(build, BuildConfig)
+
+    inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
+    inspect.add_argument("datastore")
+    inspect.add_argument("--no-checksums", action="store_true", help="skip re-hashing the shard files")
+
+    verify = commands.add_parser("verify", help="search sampled stored keys; report recall@1")
+    verify.add_argument("datastore")
+    verify.add_argument("--samples", type=int, default=1000)
+    verify.add_argument("--nprobe", type=int)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build":
+            from index_builder.build import build_datastore
+
+            overrides = {name: getattr(args, name) for name in BuildConfig.model_fields if getattr(args, name) is not None}
+            config = BuildConfig(**overrides)
+            model_dir = prepare_default_model() if args.model == DEFAULT_MODEL else resolve_model(args.model)
+            build_datastore(args.inputs, Path(args.output), model_dir, config, overwrite=args.overwrite, progress=not args.quiet)
+        elif args.command == "inspect":
+            from index_builder.verify import inspect_datastore
+
+            manifest = inspect_datastore(args.datastore, checksums=not args.no_checksums)
+            print(json.dumps(manifest.model_dump(mode="json"), indent=2))
+            print(f"knnlm-index: {args.datastore}: OK ({'checksums verified' if not args.no_checksums else 'checksums not checked'})", file=sys.stderr)
+        elif args.command == "verify":
+            from index_builder.verify import verify_datastore
+
+            print(json.dumps(verify_datastore(args.datastore, samples=args.samples, nprobe=args.nprobe), indent=2))
+    except (CorpusError, DatastoreError, ModelError, ValueError) as e:
+        sys.exit(f"knnlm-index: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

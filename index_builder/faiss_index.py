@@ -1,0 +1,67 @@
+"""FAISS index specs with sensible defaults from the datastore size, training, and adding.
+
+The quantizers (PCA, IVF centroids, PQ codebooks) are trained once on a sample and the trained
+empty index is cloned for every shard, so all shards share one coarse quantizer and code space.
+"""
+
+from __future__ import annotations
+
+import math
+
+import faiss
+import numpy as np
+
+from knnlm_serve.shard import gpu_available
+
+PRESETS = ("auto", "flat", "ivfpq", "hnsw")
+AUTO_FLAT_BELOW = 100_000  # exact search is fast enough below this many entries
+DEFAULT_NPROBE = 32
+
+
+def index_factory_string(preset: str, entries: int, dim: int, pca_dim: int | None = None) -> str:
+    """Turn a preset (or a raw FAISS factory string) into a factory string for `entries` keys."""
+    if pca_dim is not None and pca_dim >= dim:
+        raise ValueError(f"--pca-dim {pca_dim} must be below the key dimension {dim}")
+    d = pca_dim or dim
+    prefix = f"PCA{pca_dim}," if pca_dim else ""
+    if preset == "auto":
+        preset = "flat" if entries < AUTO_FLAT_BELOW else "ivfpq"
+    if preset == "flat":
+        return prefix + "Flat"
+    if preset == "hnsw":
+        return prefix + "HNSW32"
+    if preset == "ivfpq":
+        # nlist ~ 4 sqrt(N) (the FAISS guideline), a power of two, with >= 39 training points per list.
+        nlist = 2 ** round(math.log2(max(4 * math.sqrt(entries), 1)))
+        nlist = int(min(nlist, 65536, max(1, entries // 39)))
+        # 64-byte codes as in the paper; fewer sub-quantizers when the dimension does not divide.
+        m = max(x for x in range(1, 65) if d % x == 0)
+        return f"{prefix}IVF{nlist},PQ{m}"
+    return preset  # a FAISS factory string given verbatim
+
+
+def needs_training(factory: str, dim: int) -> bool:
+    return not faiss.index_factory(dim, factory, faiss.METRIC_L2).is_trained
+
+
+def train_index(factory: str, sample: np.ndarray, seed: int = 0) -> faiss.Index:
+    """A trained, empty index; IVF training runs on the GPU when faiss-gpu sees one."""
+    index = faiss.index_factory(sample.shape[1], factory, faiss.METRIC_L2)
+    if index.is_trained:
+        return index
+    try:
+        ivf = faiss.extract_index_ivf(index)
+        ivf.cp.seed = seed
+        if gpu_available():
+            ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
+    except RuntimeError:
+        pass  # not an IVF index
+    index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    return index
+
+
+def set_nprobe(index: faiss.Index, nprobe: int) -> None:
+    try:
+        faiss.extract_index_ivf(index).nprobe = nprobe
+    except RuntimeError:
+        pass

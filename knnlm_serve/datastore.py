@@ -1,0 +1,173 @@
+"""The on-disk datastore format, shared by `knnlm-index` (writes it) and the server (reads it).
+
+    <datastore>/manifest.json            written last; its presence means "complete"
+    <datastore>/shard-000/index.faiss    FAISS index over this shard's keys (ids 0..n-1)
+    <datastore>/shard-000/values.npy     int32 next-token ids, values[i] belongs to index id i
+    <datastore>/shard-000/keys.npy       optional fp16 keys, for exact re-scoring / verification
+
+Only JSON and plain `.npy` arrays are read (`allow_pickle=False`): a datastore is data, never code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from knnlm_serve.config import KeyType
+
+FORMAT = "knnlm-datastore"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class DatastoreError(ValueError):
+    """A datastore that cannot be used as asked; the message names the problem and the fix."""
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FileEntry(_Record):
+    path: str  # relative to the datastore directory
+    bytes: int
+    sha256: str
+
+
+class ShardEntry(_Record):
+    name: str
+    entries: int
+    index: FileEntry
+    values: FileEntry
+    keys: FileEntry | None = None
+
+
+class ModelIdentity(_Record):
+    name: str
+    fingerprint: str
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+
+
+class IndexSpec(_Record):
+    factory: str  # the FAISS index_factory string, e.g. "IVF1024,PQ64"
+    metric: Literal["l2"] = "l2"
+    nprobe: int | None = None  # default search breadth for IVF indexes
+    train_size: int = 0  # keys the quantizers were trained on (0: no training needed)
+
+
+class CorpusStats(_Record):
+    sources: list[str]
+    documents: int
+    tokens: int
+    skipped_files: list[str] = []
+
+
+class BuildStats(_Record):
+    context_length: int
+    stride: int
+    seconds: float
+    encode_tokens_per_s: float
+    created: str
+    tool_version: str
+
+
+class Manifest(_Record):
+    format: Literal["knnlm-datastore"] = FORMAT
+    format_version: int = FORMAT_VERSION
+    model: ModelIdentity
+    key_type: KeyType
+    dim: int
+    key_dtype: Literal["float16"] = "float16"
+    index: IndexSpec
+    entries: int
+    shards: list[ShardEntry]
+    corpus: CorpusStats
+    build: BuildStats
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """Read and validate `<path>/manifest.json`, and check every shard file is there at its size."""
+    path = Path(path)
+    manifest_file = path / MANIFEST
+    if not path.is_dir():
+        raise DatastoreError(f"datastore {path} does not exist")
+    if not manifest_file.is_file():
+        raise DatastoreError(
+            f"{path} has no {MANIFEST}: not a datastore, or a build that did not finish "
+            "(rerun the same `knnlm-index build` command to resume it)"
+        )
+    try:
+        raw = json.loads(manifest_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DatastoreError(f"{manifest_file} is not valid JSON ({e})") from None
+    if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
+        raise DatastoreError(
+            f"{manifest_file}: format {raw.get('format')!r} v{raw.get('format_version')} is not "
+            f"{FORMAT!r} v{FORMAT_VERSION}; rebuild it with this version of knnlm-index"
+        )
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as e:
+        raise DatastoreError(f"{manifest_file} is malformed: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+    for shard in manifest.shards:
+        for entry in shard_files(shard):
+            file = path / entry.path
+            if not file.is_file():
+                raise DatastoreError(f"datastore {path}: shard file {entry.path} is missing")
+            if file.stat().st_size != entry.bytes:
+                raise DatastoreError(
+                    f"datastore {path}: {entry.path} has {file.stat().st_size} bytes, manifest says "
+                    f"{entry.bytes} (truncated or replaced); rebuild the datastore"
+                )
+    return manifest
+
+
+def shard_files(shard: ShardEntry) -> list[FileEntry]:
+    return [f for f in (shard.index, shard.values, shard.keys) if f is not None]
+
+
+def verify_checksums(path: str | os.PathLike, manifest: Manifest) -> None:
+    """Re-hash every shard file; raise on the first that does not match the manifest."""
+    for shard in manifest.shards:
+        for entry in shard_files(shard):
+            if sha256_file(Path(path) / entry.path) != entry.sha256:
+                raise DatastoreError(f"datastore {path}: checksum mismatch in {entry.path}; the file is corrupt")
+
+
+def check_compatible(manifest: Manifest, *, fingerprint: str, where: str = "datastore") -> None:
+    """Refuse a datastore whose keys were computed by another model."""
+    if manifest.model.fingerprint != fingerprint:
+        raise DatastoreError(
+            f"{where} was built for model {manifest.model.name!r} (fingerprint {manifest.model.fingerprint}), "
+            f"not the served model (fingerprint {fingerprint}); rebuild it with `knnlm-index build --model ...`"
+        )
+
+
+def file_entry(root: Path, file: Path) -> FileEntry:
+    return FileEntry(path=str(file.relative_to(root)), bytes=file.stat().st_size, sha256=sha256_file(file))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_values(path: Path) -> np.ndarray:
+    return np.load(path, allow_pickle=False, mmap_mode="r")
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)

@@ -1,0 +1,208 @@
+"""knnlm-index: a corpus becomes a sharded datastore whose search returns what was stored."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from index_builder.build import build_datastore
+from index_builder.encode import plan_windows
+from index_builder.verify import verify_datastore
+from knnlm_serve.config import BuildConfig
+from knnlm_serve.datastore import read_manifest
+from knnlm_serve.shard import merge_topk, open_shards
+
+STDLIB_MODULES = ("json", "textwrap", "argparse", "heapq", "bisect", "shlex")
+
+
+def write_corpus(directory: Path, modules=STDLIB_MODULES) -> Path:
+    """Distinct real documents every machine has: Python standard-library module docstrings."""
+    import importlib
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in modules:
+        (directory / f"{name}.txt").write_text(importlib.import_module(name).__doc__)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+SMALL = BuildConfig(context_length=64, stride=32, batch_size=4, index="flat")
+
+
+def pairs_in(corpus: Path, model_dir: Path) -> int:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return sum(len(tokenizer(p.read_text()).input_ids) - 1 for p in corpus.iterdir())
+
+
+def test_plan_keys_every_position_once_within_its_document():
+    doc_offsets = np.array([0, 5, 105, 106, 300])
+    plan = plan_windows(doc_offsets, context_length=16, stride=6)
+    keyed = np.concatenate([np.arange(k0, k1) for _, k0, k1 in plan.windows])
+    expected = np.concatenate([np.arange(a, b - 1) for a, b in zip(doc_offsets[:-1], doc_offsets[1:])])
+    assert np.array_equal(keyed, expected)
+    doc_of = np.searchsorted(doc_offsets, plan.windows[:, 0], side="right")
+    assert np.array_equal(doc_of, np.searchsorted(doc_offsets, plan.windows[:, 2] - 1, side="right"))
+    assert np.all(plan.windows[:, 2] - plan.windows[:, 0] <= 16)
+
+
+def test_two_shard_build_stores_every_pair_and_finds_its_own_values(corpus, tiny_model_dir, tmp_path):
+    out = tmp_path / "ds"
+    manifest = build_datastore([corpus], out, tiny_model_dir, SMALL.model_copy(update={"shards": 2, "keep_keys": True}), progress=False)
+    assert manifest.entries == pairs_in(corpus, tiny_model_dir)
+    assert [s.entries for s in manifest.shards] == [manifest.entries // 2, manifest.entries - manifest.entries // 2]
+    assert read_manifest(out) == manifest
+    report = verify_datastore(out, samples=400)
+    assert report["recall_at_1"] == 1.0
+    # Searching a stored key returns its own next token.
+    searchers = open_shards(out, manifest)
+    keys = np.load(out / "shard-001/keys.npy").astype(np.float32)[:50]
+    values = np.load(out / "shard-001/values.npy")[:50]
+    _, tokens = merge_topk([s.search(keys, 1) for s in searchers], 1)
+    assert np.mean(tokens[:, 0] == values) > 0.95  # the rest are exact duplicate contexts
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_keys_are_the_models_final_hidden_states(corpus, tiny_model_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    doc = corpus / "heapq.txt"
+    config = BuildConfig(context_length=4096, stride=2048, key_type="final", index="flat", keep_keys=True)
+    build_datastore([doc], tmp_path / "ds", tiny_model_dir, config, progress=False)
+    keys = np.load(tmp_path / "ds/shard-000/keys.npy").astype(np.float32)
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir)(doc.read_text(), return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1][0, :-1].numpy()
+    np.testing.assert_allclose(keys, hidden, rtol=2e-3, atol=2e-3)
+
+
+def test_shards_merged_equal_one_unsharded_index(corpus, tiny_model_dir, tmp_path):
+    one = build_datastore([corpus], tmp_path / "one", tiny_model_dir, SMALL, progress=False)
+    three = build_datastore([corpus], tmp_path / "three", tiny_model_dir, SMALL.model_copy(update={"shards": 3}), progress=False)
+    queries = np.random.default_rng(0).normal(size=(64, one.dim)).astype(np.float32)
+    (single,) = open_shards(tmp_path / "one", one)
+    expected_d, expected_t = single.search(queries, 16)
+    got_d, got_t = merge_topk([s.search(queries, 16) for s in open_shards(tmp_path / "three", three)], 16)
+    np.testing.assert_allclose(got_d, expected_d, rtol=1e-5)
+    assert np.array_equal(got_t, expected_t)
+
+
+def test_ivfpq_build_trains_once_and_searches(corpus, tiny_model_dir, tmp_path):
+    config = SMALL.model_copy(update={"index": "ivfpq", "shards": 2})
+    manifest = build_datastore([corpus], tmp_path / "ds", tiny_model_dir, config, progress=False)
+    assert manifest.index.factory.startswith("IVF") and "PQ" in manifest.index.factory
+    assert manifest.index.train_size == manifest.entries
+    assert verify_datastore(tmp_path / "ds", samples=200)["value_at_1"] > 0.8
+
+
+def knnlm_index(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "index_builder.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_killed_build_resumes_to_the_same_datastore(corpus, tiny_model_dir, tmp_path):
+    big = write_corpus(tmp_path / "big", STDLIB_MODULES + ("collections", "functools", "typing", "inspect"))
+    args = ["build", str(big), "--model", str(tiny_model_dir), "--context-length", "64", "--stride", "32",
+            "--batch-size", "1", "--shards", "2", "--index", "flat", "--quiet"]
+    reference = knnlm_index(*args, "-o", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr
+
+    out = tmp_path / "resumed"
+    progress_file = tmp_path / ".resumed.partial" / "encode.json"
+    proc = subprocess.Popen([sys.executable, "-m", "index_builder.cli", *args, "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if progress_file.exists() and json.loads(progress_file.read_text())["batches_done"] >= 3:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    batches_at_kill = json.loads(progress_file.read_text())["batches_done"]
+    assert not out.exists(), "a killed build must not leave a datastore-looking directory"
+
+    resumed = knnlm_index(*args, "-o", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = read_manifest(tmp_path / "reference"), read_manifest(out)
+    assert a.entries == b.entries and a.shards == b.shards  # same counts, sizes and checksums
+    assert batches_at_kill < 200  # it really was interrupted part-way (the corpus has more batches)
+
+
+@pytest.mark.parametrize(
+    "setup, extra, message",
+    [
+        (lambda d: (d / "empty.txt").write_text("   \n"), [], "no text to index"),
+        (lambda d: None, ["MISSING"], "does not exist"),
+        (lambda d: (d / "bad.txt").write_bytes(b"caf\xe9 au lait"), ["--on-bad-utf8", "error"], "not UTF-8"),
+    ],
+    ids=["empty-corpus", "missing-path", "non-utf8-error"],
+)
+def test_bad_corpus_fails_with_one_line_and_writes_nothing(setup, extra, message, tiny_model_dir, tmp_path):
+    corpus_dir = tmp_path / "in"
+    corpus_dir.mkdir()
+    setup(corpus_dir)
+    inputs = [str(tmp_path / "missing.txt")] if "MISSING" in extra else [str(corpus_dir)]
+    flags = [x for x in extra if x != "MISSING"]
+    result = knnlm_index("build", *inputs, "-o", str(tmp_path / "ds"), "--model", str(tiny_model_dir), *flags)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("knnlm-index: error:")
+    assert not (tmp_path / "ds").exists() and not list(tmp_path.glob(".ds*"))
+
+
+def test_non_utf8_files_are_skipped_and_counted(corpus, tiny_model_dir, tmp_path):
+    mixed = write_corpus(tmp_path / "mixed", ("json",))
+    (mixed / "latin1.txt").write_bytes(b"caf\xe9 au lait")
+    manifest = build_datastore([mixed], tmp_path / "ds", tiny_model_dir, SMALL, progress=False)
+    assert manifest.corpus.documents == 1
+    assert len(manifest.corpus.skipped_files) == 1 and "latin1.txt" in manifest.corpus.skipped_files[0]
+
+
+def test_existing_datastore_is_kept_unless_overwrite(corpus, tiny_model_dir, tmp_path):
+    out = tmp_path / "ds"
+    build_datastore([corpus / "json.txt"], out, tiny_model_dir, SMALL, progress=False)
+    before = (out / "manifest.json").read_text()
+    args = ["build", str(corpus / "heapq.txt"), "-o", str(out), "--model", str(tiny_model_dir), "--index", "flat", "--quiet"]
+    refused = knnlm_index(*args)
+    assert refused.returncode != 0 and "--overwrite" in refused.stderr
+    assert (out / "manifest.json").read_text() == before
+    replaced = knnlm_index(*args, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert read_manifest(out).corpus.sources == [str((corpus / "heapq.txt").resolve())]
+
+
+def test_model_that_is_not_a_causal_lm_is_refused(corpus, tmp_path):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert/config.json").write_text('{"architectures": ["BertModel"]}')
+    result = knnlm_index("build", str(corpus), "-o", str(tmp_path / "ds"), "--model", str(tmp_path / "bert"))
+    assert result.returncode != 0 and "not a causal language model" in result.stderr
+    assert not (tmp_path / "ds").exists()
+
+
+def test_inspect_detects_a_corrupted_shard(corpus, tiny_model_dir, tmp_path):
+    out = tmp_path / "ds"
+    build_datastore([corpus / "json.txt"], out, tiny_model_dir, SMALL, progress=False)
+    assert knnlm_index("inspect", str(out)).returncode == 0
+    values = out / "shard-000/values.npy"
+    data = bytearray(values.read_bytes())
+    data[-1] ^= 0xFF
+    values.write_bytes(bytes(data))
+    result = knnlm_index("inspect", str(out))
+    assert result.returncode != 0 and "checksum mismatch" in result.stderr
+    values.write_bytes(bytes(data[:-8]))
+    result = knnlm_index("inspect", str(out))
+    assert result.returncode != 0 and "truncated" in result.stderr
