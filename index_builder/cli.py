@@ -10,7 +10,9 @@ import typing
 from pathlib import Path
 
 from index_builder.corpus import CorpusError
-from knnlm_serve.config import BuildConfig
+from pydantic import ValidationError
+
+from knnlm_serve.config import BuildConfig, validation_message
 from knnlm_serve.datastore import DatastoreError
 from knnlm_serve.model import DEFAULT_MODEL, ModelError, prepare_default_model, resolve_model
 
@@ -61,7 +63,10 @@ def main(argv: list[str] | None = None) -> None:
             from index_builder.build import build_datastore
 
             overrides = {name: getattr(args, name) for name in BuildConfig.model_fields if getattr(args, name) is not None}
-            config = BuildConfig(**overrides)
+            try:
+                config = BuildConfig(**overrides)
+            except ValidationError as e:
+                raise ValueError(validation_message(e)) from None
             model_dir = prepare_default_model() if args.model == DEFAULT_MODEL else resolve_model(args.model)
             build_datastore(args.inputs, Path(args.output), model_dir, config, overwrite=args.overwrite, progress=not args.quiet)
         elif args.command == "inspect":

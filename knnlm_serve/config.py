@@ -77,5 +77,9 @@ def load_serve_config(path: str | Path | None, **overrides) -> ServeConfig:
         return ServeConfig(**data)
     except ValidationError as e:
         where = f"{path}: " if path else ""
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ConfigError(f"{where}invalid configuration: {problems}") from None
+        raise ConfigError(f"{where}invalid configuration: {validation_message(e)}") from None
+
+
+def validation_message(e: ValidationError) -> str:
+    """pydantic's errors on one line: `field: problem; field: problem`."""
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
