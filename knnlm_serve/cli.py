@@ -5,8 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+import json
+import os
+from pathlib import Path
+
 from knnlm_serve.config import ConfigError, ServeConfig, load_serve_config
+from knnlm_serve.datastore import DatastoreError
 from knnlm_serve.model import DEFAULT_MODEL, ModelError, prepare_default_model, resolve_model
+from knnlm_serve.runtime import CONFIG_ENV, Runtime, check_datastore, hidden_size_of
+
+KNN_ARCHITECTURES = ("LlamaForCausalLM",)
+DEFAULT_DATASTORE = "default"
+VALIDATOR = "knnlm_serve.plugin:KnnParamsValidator"
 
 
 def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
@@ -23,6 +33,39 @@ def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
     if config.served_model_name:
         argv += ["--served-model-name", config.served_model_name]
     return argv + list(config.vllm_args)
+
+
+def start_knn(config: ServeConfig, model_dir: Path) -> list:
+    """Check every datastore against the model, start Ray and the shard actors, and publish the
+    runtime to vLLM's processes through the environment they inherit. Returns the shard actors'
+    handles: the caller holds them for the server's lifetime (Ray collects unreferenced actors)."""
+    architectures = json.loads((model_dir / "config.json").read_text()).get("architectures", [])
+    if not set(architectures) & set(KNN_ARCHITECTURES):
+        raise ModelError(f"kNN serving supports {KNN_ARCHITECTURES}; {model_dir} is {architectures}")
+    datastores = {}
+    for name, path in config.knn.datastores.items():
+        if path == DEFAULT_DATASTORE:
+            from knnlm_serve.default_datastore import prepare_default_datastore
+
+            path = prepare_default_datastore(model_dir)
+        datastores[name], _ = check_datastore(name, path, model_dir, hidden_size_of(model_dir))
+    runtime = Runtime(knn=config.knn, datastores=datastores)
+    actors = []
+    if config.knn.backend == "ray":
+        import ray
+
+        from knnlm_serve.retrieval import start_shard_actors
+
+        ray.init(address=config.knn.ray_address, namespace=config.knn.ray_namespace,
+                 include_dashboard=False, log_to_driver=False)
+        runtime = runtime.model_copy(update={"ray_address": ray.get_runtime_context().gcs_address})
+        actors = start_shard_actors(runtime)
+    os.environ[CONFIG_ENV] = str(runtime.save())
+    # vLLM's compile cache key ignores our MLP hook: a cached graph could silently drop it.
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    for name, info in datastores.items():
+        print(f"knnlm-serve: datastore {name!r}: {info.entries:,} entries, {len(info.shards)} shard(s), key {info.key_type}")
+    return actors
 
 
 def run_vllm_server(argv: list[str]) -> None:
@@ -80,9 +123,15 @@ def main(argv: list[str] | None = None) -> None:
         if config.model == DEFAULT_MODEL:
             prepare_default_model()
         model_dir = resolve_model(config.model)
-    except (ConfigError, ModelError) as e:
+        argv = vllm_server_argv(config, str(model_dir))
+        shard_actors = []
+        if config.knn.datastores:
+            shard_actors = start_knn(config, model_dir)
+            argv += ["--logits-processors", VALIDATOR]
+    except (ConfigError, ModelError, DatastoreError) as e:
         sys.exit(f"knnlm-serve: error: {e}")
-    run_vllm_server(vllm_server_argv(config, str(model_dir)))
+    run_vllm_server(argv)
+    del shard_actors
 
 
 if __name__ == "__main__":

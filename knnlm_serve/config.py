@@ -43,6 +43,40 @@ class BuildConfig(_Strict):
         return self
 
 
+class KnnConfig(_Strict):
+    """kNN-LM at serving time. Requests may override `enabled`, `lambda_`, `k`, `temperature` and
+    the datastore per request through `vllm_xargs` (knn, knn_lambda, knn_k, knn_temperature,
+    knn_datastore)."""
+
+    datastores: dict[str, str] = Field(default_factory=dict, description="name -> datastore directory")
+    default_datastore: str | None = Field(None, description="used when a request names none; default: the first")
+    enabled: bool = Field(True, description="kNN for requests that do not say knn=true/false")
+    lambda_: float = Field(0.25, ge=0, le=1, alias="lambda", description="weight of p_kNN in the mix")
+    k: int = Field(1024, gt=0, description="neighbours per query")
+    max_k: int = Field(2048, gt=0, description="largest k a request may ask for")
+    temperature: float = Field(1.0, gt=0, description="softmax temperature over negative L2 distances")
+    nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's manifest")
+    backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")
+    ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
+    ray_namespace: str = "knnlm"
+    shard_timeout_s: float = Field(10.0, gt=0, description="a step waits this long for a shard, then serves LM-only")
+    gpu: bool | None = Field(None, description="FAISS on GPU; default: when faiss-gpu sees a device")
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "KnnConfig":
+        if self.k > self.max_k:
+            raise ValueError(f"k ({self.k}) exceeds max_k ({self.max_k})")
+        if self.default_datastore is not None and self.default_datastore not in self.datastores:
+            raise ValueError(f"default_datastore {self.default_datastore!r} is not one of datastores {sorted(self.datastores)}")
+        return self
+
+    @property
+    def default_name(self) -> str | None:
+        return self.default_datastore or next(iter(self.datastores), None)
+
+
 class ServeConfig(_Strict):
     """`knnlm-serve --config FILE`: the model, the HTTP server, and what vLLM gets."""
 
@@ -57,6 +91,7 @@ class ServeConfig(_Strict):
     kv_cache_gib: float = Field(2.0, gt=0, description="memory reserved for the KV cache (CPU RAM or GPU memory)")
     enforce_eager: bool = Field(False, description="skip torch.compile: faster start, slower decode")
     vllm_args: list[str] = Field(default_factory=list, description="extra vLLM server flags, passed through verbatim")
+    knn: KnnConfig = Field(default_factory=KnnConfig)
 
 
 class ConfigError(ValueError):

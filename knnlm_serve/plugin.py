@@ -1,16 +1,58 @@
-"""The `vllm.general_plugins` entry point, run by vLLM in each of its processes.
+"""vLLM integration: the `vllm.general_plugins` entry point and the request validator.
 
-Inert unless a kNN configuration is given, so plain vLLM use on the same environment is
-unaffected.
+vLLM runs `register()` in each of its processes (API server, engine core, workers). It is inert
+unless the launcher set `KNNLM_SERVE_CONFIG`, so plain vLLM on the same environment is unaffected.
 """
 
 from __future__ import annotations
 
-import os
+from vllm.exceptions import VLLMValidationError
+from vllm.v1.sample.logits_processor import LogitsProcessor
 
-CONFIG_ENV = "KNNLM_SERVE_CONFIG"
+from knnlm_serve.request_params import KnnParamError, parse_knn_params
+from knnlm_serve.runtime import load_runtime
+
+_registered = False
 
 
 def register() -> None:
-    if not os.environ.get(CONFIG_ENV):
+    global _registered
+    runtime = load_runtime()
+    if runtime is None or _registered:
         return
+    from vllm import ModelRegistry
+
+    from knnlm_serve.vllm_model import KnnLlamaForCausalLM
+
+    KnnLlamaForCausalLM.runtime = runtime
+    ModelRegistry.register_model("LlamaForCausalLM", KnnLlamaForCausalLM)
+    _registered = True
+
+
+class KnnParamsValidator(LogitsProcessor):
+    """Rejects bad `vllm_xargs` at admission (HTTP 400 naming the field); does nothing per step."""
+
+    _runtime = None
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        if cls._runtime is None:
+            cls._runtime = load_runtime()
+        if cls._runtime is None:
+            return
+        try:
+            parse_knn_params(sampling_params.extra_args, cls._runtime.knn)
+        except KnnParamError as e:
+            raise VLLMValidationError(str(e), parameter=f"vllm_xargs.{e.field}", value=e.value) from None
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        pass
+
+    def apply(self, logits):
+        return logits

@@ -1,0 +1,70 @@
+"""Per-request kNN settings from OpenAI `vllm_xargs` (= `SamplingParams.extra_args`).
+
+    knn              true/false   use kNN for this request
+    knn_datastore    name         one of the server's datastores
+    knn_lambda       [0, 1]       weight of p_kNN
+    knn_k            1..max_k     neighbours per query
+    knn_temperature  > 0          softmax temperature over negative distances
+
+Parsed the same way in the API server (to reject bad values with HTTP 400) and in the worker.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from knnlm_serve.config import KnnConfig
+
+KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature")
+
+
+class KnnParamError(ValueError):
+    def __init__(self, field: str, value, allowed: str):
+        super().__init__(f"vllm_xargs.{field}={value!r} is invalid: must be {allowed}")
+        self.field, self.value = field, value
+
+
+@dataclass(frozen=True)
+class KnnParams:
+    enabled: bool
+    datastore: str | None
+    lambda_: float
+    k: int
+    temperature: float
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.datastore is not None and self.lambda_ > 0
+
+
+def parse_knn_params(extra_args: dict | None, config: KnnConfig) -> KnnParams:
+    args = extra_args or {}
+    enabled = _bool(args.get("knn", config.enabled))
+    datastore = args.get("knn_datastore", config.default_name)
+    if "knn_datastore" in args and datastore not in config.datastores:
+        raise KnnParamError("knn_datastore", datastore, f"one of {sorted(config.datastores)}")
+    lambda_ = _number("knn_lambda", args.get("knn_lambda", config.lambda_), 0.0, 1.0, "a number in [0, 1]")
+    k = args.get("knn_k", config.k)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= config.max_k:
+        raise KnnParamError("knn_k", k, f"an integer in [1, {config.max_k}]")
+    temperature = _number("knn_temperature", args.get("knn_temperature", config.temperature), 0.0, math.inf, "a number > 0")
+    if temperature == 0:
+        raise KnnParamError("knn_temperature", temperature, "a number > 0")
+    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature)
+
+
+def _bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise KnnParamError("knn", value, "true or false")
+
+
+def _number(field: str, value, low: float, high: float, allowed: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise KnnParamError(field, value, allowed)
+    return float(value)
