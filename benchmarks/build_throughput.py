@@ -11,11 +11,11 @@ subprocess so that peak RSS is per run:
     head), interleaved batch by batch, because the builder stops at the last layer's MLP input
     and never computes logits: the full forward does ~30% more matmul work than the encoder.
 
-Schedule: baseline, build, baseline on the first size (the two baselines are averaged, so
-machine noise hits both sides alike); later sizes get one build and, with
-`--baseline-every-size`, a baseline after it. The ratio for a size uses that size's baselines if
-it has any, else the first size's (all windows but each document's first have the same shape,
-so the per-token rate does not depend on the corpus length).
+Schedule: baseline, build, baseline on the first size (the baselines are averaged, so machine
+noise hits both sides alike; `--repeats N` runs N build+baseline pairs, builds averaged too);
+later sizes get one build and, with `--baseline-every-size`, a baseline after it. The ratio for
+a size uses that size's baselines if it has any, else the first size's (all windows but each
+document's first have the same shape, so the per-token rate does not depend on corpus length).
 
     .venv/bin/python benchmarks/build_throughput.py            # ~8k and ~32k tokens
     .venv/bin/python benchmarks/build_throughput.py --chars 20000 80000 --baseline-every-size
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wikitext", type=Path, default=WIKITEXT, help="WikiText-2 directory (default: %(default)s)")
     p.add_argument("--split", default="valid", help="which WikiText file: valid or test (default: %(default)s)")
     p.add_argument("--baseline-every-size", action="store_true", help="also run a baseline after each later size's build")
+    p.add_argument("--repeats", type=int, default=1, help="build+baseline pairs after the first baseline on the first size (default: %(default)s)")
     p.add_argument("--no-backbone", action="store_true", help="skip the no-LM-head forward in the baseline (halves its time)")
     p.add_argument("--output", type=Path, default=RESULTS, help="JSON results file (default: %(default)s)")
     p.add_argument("--_child", choices=("build", "baseline"), help=argparse.SUPPRESS)
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = {"corpus": str(corpus), "model_dir": str(model_dir), "backbone": not args.no_backbone}
             build_spec = {**spec, "output": str(scratch / f"datastore-{chars}")}
             if n == 0:
-                schedule = ["baseline", "build", "baseline"]
+                schedule = ["baseline"] + ["build", "baseline"] * args.repeats
             else:
                 schedule = ["build"] + (["baseline"] if args.baseline_every_size else [])
             for step, kind in enumerate(schedule, 1):
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     first_base = [r for r in runs if r["kind"] == "baseline" and r["chars"] == args.chars[0]]
     for chars in args.chars:
-        build = next(r for r in runs if r["kind"] == "build" and r["chars"] == chars)
+        builds = [r for r in runs if r["kind"] == "build" and r["chars"] == chars]
+        build = {**builds[0], **{k: mean(r[k] for r in builds) for k in ("encode_tokens_per_s", "wall_s", "peak_rss_mib")}}
         own = [r for r in runs if r["kind"] == "baseline" and r["chars"] == chars]
         base = own or first_base
         fwd = mean(r["forward_tokens_per_s"] for r in base)
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_dir": str(model_dir),
         "corpus": {"source": str(source), "unescaped": [e for e, _ in WIKITEXT_UNESCAPE], "chars": args.chars},
         "build_config": config.model_dump(mode="json"),
-        "schedule": "first size: baseline, build, baseline (baselines averaged); later sizes: build"
+        "schedule": f"first size: baseline, (build, baseline) x {args.repeats} (averaged); later sizes: build"
         + (", baseline" if args.baseline_every_size else " (ratio against the first size's baselines)"),
         "machine": {
             "cpu_count": os.cpu_count(),

@@ -50,6 +50,16 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
+TINY_SERVER = {"served_model_name": "tiny", "enforce_eager": True, "kv_cache_gib": 0.25, "max_model_len": 512}
+
+
+@pytest.fixture(scope="session")
+def plain_tiny_server(tiny_model_dir, tmp_path_factory):
+    """Stock vLLM behaviour: the tiny model served with no datastore."""
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir)}, tmp_path_factory.mktemp("plain")) as server:
+        yield server
+
+
 def free_port() -> int:
     import socket
 

@@ -1,0 +1,160 @@
+"""kNN-LM through the real server: vLLM engine, Ray shard actors, FAISS, HTTP via the openai client."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+
+from conftest import TINY_SERVER, RunningServer
+from index_builder.build import build_datastore
+from knnlm_serve.config import BuildConfig
+
+pytestmark = pytest.mark.slow
+
+# Two texts that continue the same prefix differently, each memorised by its own datastore.
+PREFIX = "The archive of the northern observatory records that on the first night of winter"
+TEXT_A = PREFIX + " the astronomers saw a green comet pass slowly below the pole star, and they wrote its path in red ink."
+TEXT_B = PREFIX + " a storm broke every window of the east tower, and the great brass telescope was never used again."
+K = 8
+
+
+@pytest.fixture(scope="module")
+def token_ids(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return {name: tokenizer(text).input_ids for name, text in (("a", TEXT_A), ("b", TEXT_B))}
+
+
+@pytest.fixture(scope="module")
+def knn_server(tiny_model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("knn")
+    config = BuildConfig(index="flat", context_length=128, stride=64)
+    for name, text, shards in (("a", TEXT_A, 1), ("a3", TEXT_A, 3), ("b", TEXT_B, 1)):
+        (work / f"{name}.txt").write_text(text)
+        build_datastore([work / f"{name}.txt"], work / name, tiny_model_dir, config.model_copy(update={"shards": shards}), progress=False)
+    knn = {"datastores": {n: str(work / n) for n in ("a", "a3", "b")}, "default_datastore": "a", "k": K, "max_k": 64, "lambda": 0.25}
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
+        yield server
+
+
+def complete(server, prompt, max_tokens=16, **xargs):
+    result = server.openai_client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
+        extra_body={"vllm_xargs": xargs, "return_token_ids": True},
+    )
+    return result.choices[0]
+
+
+def prefix_length(ids):
+    return len(ids) - 24  # leave 24 tokens of continuation
+
+
+def test_lambda_one_reproduces_the_memorised_continuation(knn_server, token_ids):
+    ids = token_ids["a"]
+    n = prefix_length(ids)
+    choice = complete(knn_server, ids[:n], max_tokens=16, knn_lambda=1.0)
+    assert choice.token_ids == ids[n : n + 16]
+    # Returned logprobs are the mixture's: the memorised tokens are near-certain under kNN.
+    assert min(choice.logprobs.token_logprobs) > -0.1
+
+
+def test_knn_off_and_lambda_zero_equal_plain_vllm(knn_server, plain_tiny_server, token_ids):
+    ids = token_ids["a"]
+    prompt = ids[: prefix_length(ids)]
+    plain = complete(plain_tiny_server, prompt)
+    for xargs in ({"knn": False}, {"knn_lambda": 0.0}):
+        choice = complete(knn_server, prompt, **xargs)
+        assert choice.token_ids == plain.token_ids
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, plain.logprobs.token_logprobs, atol=1e-4)
+    assert plain.token_ids != ids[len(prompt) : len(prompt) + 16]  # the random model alone does not recall it
+
+
+def prompt_logprobs(server, prompt, **xargs):
+    result = server.openai_client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
+        extra_body={"vllm_xargs": xargs},
+    )
+    return np.array(result.choices[0].logprobs.token_logprobs[1:-1], dtype=np.float64)
+
+
+def test_one_and_three_shards_give_the_same_answers(knn_server, token_ids):
+    ids = token_ids["a"]
+    prompt = ids[: prefix_length(ids)]
+    one = complete(knn_server, prompt, knn_datastore="a", knn_lambda=0.5)
+    three = complete(knn_server, prompt, knn_datastore="a3", knn_lambda=0.5)
+    assert one.token_ids == three.token_ids
+    np.testing.assert_allclose(
+        prompt_logprobs(knn_server, ids, knn_datastore="a", knn_lambda=0.5),
+        prompt_logprobs(knn_server, ids, knn_datastore="a3", knn_lambda=0.5),
+        atol=1e-4,
+    )
+
+
+def test_prompt_logprobs_are_the_mixture(knn_server, plain_tiny_server, token_ids):
+    ids = token_ids["a"]
+    plain = prompt_logprobs(plain_tiny_server, ids)
+    memorised = prompt_logprobs(knn_server, ids, knn_lambda=0.5)
+    # Every position of the memorised text gets at least λ·p_kNN ≈ 0.5 of its probability.
+    assert np.all(memorised > np.log(0.45)) and np.mean(plain) < -5
+
+
+def test_mixed_batch_rows_get_their_own_settings(knn_server, token_ids):
+    prompt = token_ids["a"][: len(PREFIX.split()) + 2]
+    requests = [
+        {"knn_datastore": "a", "knn_lambda": 1.0},
+        {"knn_datastore": "b", "knn_lambda": 1.0},
+        {"knn": False},
+        {"knn_datastore": "a3", "knn_lambda": 0.5, "knn_k": 2},
+        {"knn_datastore": "b", "knn_lambda": 0.3, "knn_temperature": 5.0},
+    ] * 2
+    alone = [complete(knn_server, prompt, **x) for x in requests[:5]]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda x: complete(knn_server, prompt, **x), requests))
+    for i, choice in enumerate(together):
+        assert choice.token_ids == alone[i % 5].token_ids
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, alone[i % 5].logprobs.token_logprobs, atol=1e-4)
+    assert alone[0].token_ids != alone[1].token_ids  # the two datastores really differ
+
+
+def test_streaming_with_vllm_xargs_and_logprobs(knn_server, token_ids):
+    ids = token_ids["b"]
+    n = prefix_length(ids)
+    stream = knn_server.openai_client().completions.create(
+        model="tiny", prompt=ids[:n], max_tokens=12, temperature=0, stream=True, logprobs=1,
+        extra_body={"vllm_xargs": {"knn_datastore": "b", "knn_lambda": 1.0}},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    logprobs = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    whole = complete(knn_server, ids[:n], max_tokens=12, knn_datastore="b", knn_lambda=1.0)
+    assert text == whole.text and len(logprobs) == 12
+
+
+def test_chat_completions_accept_knn_xargs(knn_server):
+    result = knn_server.openai_client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PREFIX}], max_tokens=5, temperature=0,
+        extra_body={"vllm_xargs": {"knn_lambda": 0.5}},
+    )
+    assert result.choices[0].message.content is not None and result.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize(
+    "xargs, field",
+    [
+        ({"knn_lambda": 1.5}, "knn_lambda"),
+        ({"knn_k": 0}, "knn_k"),
+        ({"knn_k": 65}, "knn_k"),
+        ({"knn_temperature": -1}, "knn_temperature"),
+        ({"knn_datastore": "legal"}, "knn_datastore"),
+        ({"knn_lambda": "high"}, "knn_lambda"),
+    ],
+)
+def test_invalid_xargs_are_a_400_naming_the_field(knn_server, xargs, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(knn_server, PREFIX, max_tokens=2, **xargs)
+    assert field in e.value.message and str(next(iter(xargs.values()))) in e.value.message
+    assert complete(knn_server, PREFIX, max_tokens=2).token_ids  # and the server keeps serving
