@@ -109,10 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", help='"default" or an HF causal-LM directory (overrides the config)')
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
+    parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one (knn.ray_address)")
     parser.add_argument("--force", action="store_true", help="prepare-model: convert again even if cached")
     args = parser.parse_args(argv)
     try:
         config = load_serve_config(args.config, model=args.model, host=args.host, port=args.port)
+        if args.ray_address:
+            config = config.model_copy(update={"knn": config.knn.model_copy(update={"ray_address": args.ray_address})})
         if args.command == "prepare-model":
             if config.model == DEFAULT_MODEL:
                 print(prepare_default_model(force=args.force))
@@ -124,14 +127,14 @@ def main(argv: list[str] | None = None) -> None:
             prepare_default_model()
         model_dir = resolve_model(config.model)
         argv = vllm_server_argv(config, str(model_dir))
-        shard_actors = []
+        shard_actors = []  # held until the server exits: Ray collects actors nobody references
         if config.knn.datastores:
             shard_actors = start_knn(config, model_dir)
             argv += ["--logits-processors", VALIDATOR]
     except (ConfigError, ModelError, DatastoreError) as e:
         sys.exit(f"knnlm-serve: error: {e}")
     run_vllm_server(argv)
-    del shard_actors
+    print(f"knnlm-serve: stopped; released {len(shard_actors)} shard actor(s)")
 
 
 if __name__ == "__main__":
