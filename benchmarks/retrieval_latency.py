@@ -106,17 +106,19 @@ KEYS_STREAM, QUERY_STREAM = 1, 2  # queries are held out: another random stream,
 # ----------------------------------------------------------------------------------------- build
 
 
-def build_params(entries: int, train_sample: int, seed: int) -> dict:
+def build_params(entries: int, train_sample: int, seed: int, factory: str | None, build_threads: int) -> dict:
     return {
         "generator": GENERATOR, "entries": entries, "dim": DIM, "centres": N_CENTRES, "vocab": VOCAB,
         "train_sample": min(train_sample, entries), "seed": seed, "chunk": CHUNK,
-        "factory": index_factory_string("ivfpq", entries, DIM), "shard_counts": list(SHARD_COUNTS),
+        "factory": factory or index_factory_string("ivfpq", entries, DIM), "shard_counts": list(SHARD_COUNTS),
+        "build_threads": build_threads,
     }
 
 
-def ensure_datastores(workdir: Path, entries: int, train_sample: int, seed: int, rebuild: bool) -> dict:
+def ensure_datastores(workdir: Path, entries: int, train_sample: int, seed: int, rebuild: bool,
+                      factory: str | None = None, build_threads: int = 1) -> dict:
     """Build (or reuse) `<workdir>/synthetic-<entries>/shards-{1,4}`; return the build record."""
-    params = build_params(entries, train_sample, seed)
+    params = build_params(entries, train_sample, seed, factory, build_threads)
     final = workdir / f"synthetic-{entries}"
     record_file = final / "build.json"
     if final.exists() and not rebuild:
@@ -133,7 +135,12 @@ def ensure_datastores(workdir: Path, entries: int, train_sample: int, seed: int,
     work = workdir / f".synthetic-{entries}.partial"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    record = _build(work, params)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(build_threads)
+    try:
+        record = _build(work, params)
+    finally:
+        faiss.omp_set_num_threads(threads)
     write_json_atomic(work / "build.json", record)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(work, final)
@@ -161,30 +168,27 @@ def _build(work: Path, params: dict) -> dict:
     del sample
 
     values = np.random.default_rng([params["seed"], 3]).integers(0, VOCAB, entries, dtype=np.int32)
-    quantizer = faiss.extract_index_ivf(trained).quantizer
     bounds = {n: np.linspace(0, entries, n + 1).astype(np.int64) for n in SHARD_COUNTS}
     indexes = {n: [faiss.clone_index(trained) for _ in range(n)] for n in SHARD_COUNTS}
-    seconds.update(generate=0.0, assign=0.0, encode_add=0.0)
+    seconds.update(generate=0.0, encode=0.0, add=0.0)
     t_add = time.monotonic()
     for c, lo in enumerate(range(0, entries, CHUNK)):
         hi = min(lo + CHUNK, entries)
         t0 = time.monotonic()
         x = gen.draw(hi - lo, KEYS_STREAM, c)
         t1 = time.monotonic()
-        _, assign = quantizer.search(x, 1)  # the coarse assignment, once for both layouts
-        assign = np.ascontiguousarray(assign[:, 0])
+        codes = trained.sa_encode(x)  # coarse list + PQ code, computed once for both layouts
         t2 = time.monotonic()
         for n in SHARD_COUNTS:
             b = bounds[n]
             for s in range(n):
                 a, z = max(lo, int(b[s])), min(hi, int(b[s + 1]))
-                if a < z:
-                    ivf = faiss.extract_index_ivf(indexes[n][s])
-                    add_preassigned(ivf, np.ascontiguousarray(x[a - lo : z - lo]), np.ascontiguousarray(assign[a - lo : z - lo]))
+                if a < z:  # ids 0..n-1 within each shard, in key order, as the builder's index.add gives
+                    indexes[n][s].add_sa_codes(np.ascontiguousarray(codes[a - lo : z - lo]))
         t3 = time.monotonic()
         seconds["generate"] += t1 - t0
-        seconds["assign"] += t2 - t1
-        seconds["encode_add"] += t3 - t2
+        seconds["encode"] += t2 - t1
+        seconds["add"] += t3 - t2
         if c % 4 == 3 or hi == entries:
             log(f"add: {hi:,}/{entries:,} keys, {time.monotonic() - t_add:.0f} s")
     imbalance = faiss.extract_index_ivf(indexes[1][0]).invlists.imbalance_factor()
@@ -225,8 +229,8 @@ def _build(work: Path, params: dict) -> dict:
         "seconds": {k: round(v, 2) for k, v in seconds.items()},
         "ivf_imbalance_factor": round(float(imbalance), 3),
         "note": (f"trained on {n_train:,} keys = {n_train / N_CENTRES:.0f} per IVF list (FAISS asks for >= 39); "
-                 "coarse assignment computed once and shared by the 1- and 4-shard layouts; "
-                 "'encode_add' is PQ encoding + adding for both layouts together"),
+                 "keys encoded once (sa_encode: coarse list + PQ code) and the codes added to both layouts "
+                 f"(add_sa_codes); FAISS threads during the build: {params['build_threads']}"),
     }
 
 
@@ -343,7 +347,7 @@ def measure(args, record: dict, final: Path) -> dict:
         runtime = Runtime(knn=knn, datastores=infos, ray_address=ray.get_runtime_context().gcs_address)
         log(f"ray: up in {ray_init_s:.1f} s; starting {sum(SHARD_COUNTS)} shard actors ...")
         t0 = time.monotonic()
-        start_shard_actors(runtime)
+        actors = start_shard_actors(runtime)  # keep the handles: unreferenced named actors are collected
         actors_s = time.monotonic() - t0
         ray_retriever = RayRetriever(runtime)
         log(f"ray: actors loaded in {actors_s:.1f} s; loading local shards ...")
@@ -397,6 +401,7 @@ def measure(args, record: dict, final: Path) -> dict:
             f"interpolate p50 {breakdown['interpolate']['p50_ms']:.2f} ms")
         setup = {"ray_init_s": round(ray_init_s, 2), "ray_actors_load_s": round(actors_s, 2),
                  "local_load_s": round(local_load_s, 2), "ray_worker_threads": worker_threads}
+        del actors
         return {"cells": cells, "breakdown": breakdown, "setup": setup}
     finally:
         ray.shutdown()
@@ -441,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--breakdown-batch", type=int, default=32, help="batch size of the search/merge/interpolate breakdown")
     p.add_argument("--breakdown-repeats", type=int, default=20, help="timed calls per breakdown item (default: %(default)s)")
     p.add_argument("--train-sample", type=int, default=65_536, help="keys the IVF-PQ quantizers are trained on (default: %(default)s)")
+    p.add_argument("--factory", help="FAISS factory string (default: index_factory_string('ivfpq', entries, 576))")
+    p.add_argument("--build-threads", type=int, default=1,
+                   help="FAISS threads for the build; 1 is faster on a small, busy machine (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/knnlm-bench"), help="datastore cache (default: %(default)s)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the datastore even if a matching one is cached")
@@ -456,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     load_before = os.getloadavg()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    record = ensure_datastores(args.workdir, args.entries, args.train_sample, args.seed, args.rebuild)
+    record = ensure_datastores(args.workdir, args.entries, args.train_sample, args.seed, args.rebuild,
+                               args.factory, args.build_threads)
     final = args.workdir / f"synthetic-{args.entries}"
     results = measure(args, record, final)
     report = {
