@@ -61,6 +61,7 @@ class KnnConfig(_Strict):
     ray_namespace: str = "knnlm"
     shard_timeout_s: float = Field(10.0, gt=0, description="a step waits this long for a shard, then serves LM-only")
     gpu: bool | None = Field(None, description="FAISS on GPU; default: when faiss-gpu sees a device")
+    gpu_fraction: float = Field(0.1, gt=0, le=1, description="share of a GPU each Ray shard actor reserves")
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from knnlm_serve.datastore import read_manifest
 from knnlm_serve.runtime import Runtime
-from knnlm_serve.shard import ShardSearcher, merge_topk
+from knnlm_serve.shard import ShardSearcher, gpu_available, merge_topk
 
 
 class RetrievalError(RuntimeError):
@@ -57,12 +57,12 @@ def start_shard_actors(runtime: Runtime) -> list:
     The caller (the launcher) owns them: they live as long as the server does."""
     import ray
 
-    use_gpu = runtime.knn.gpu
+    use_gpu = runtime.knn.gpu if runtime.knn.gpu is not None else gpu_available()
     actors = []
     for name, info in runtime.datastores.items():
         for shard in info.shards:
             options = dict(name=actor_name(name, shard), namespace=runtime.knn.ray_namespace,
-                           get_if_exists=True, max_restarts=-1, num_cpus=0, num_gpus=0.1 if use_gpu else 0)
+                           get_if_exists=True, max_restarts=-1, num_cpus=0, num_gpus=runtime.knn.gpu_fraction if use_gpu else 0)
             actors.append(ray.remote(ShardActor).options(**options).remote(info.path, shard, use_gpu))
     ray.get([a.describe.remote() for a in actors])
     return actors

@@ -21,7 +21,7 @@ def gpu_available() -> bool:
 class ShardSearcher:
     """A FAISS shard with its values; on GPU when faiss-gpu sees a device, else on CPU."""
 
-    def __init__(self, root: Path, shard: ShardEntry, use_gpu: bool | None = None, gpu_temp_memory_fraction: float = 0.1):
+    def __init__(self, root: Path, shard: ShardEntry, use_gpu: bool | None = None):
         self.name = shard.name
         index = faiss.read_index(str(root / shard.index.path))
         self.values = np.ascontiguousarray(load_values(root / shard.values.path), dtype=np.int32)
@@ -29,10 +29,7 @@ class ShardSearcher:
             raise ValueError(f"shard {shard.name}: {index.ntotal} keys but {len(self.values)} values")
         self.on_gpu = gpu_available() if use_gpu is None else use_gpu
         if self.on_gpu:
-            self._gpu_resources = faiss.StandardGpuResources()
-            total = faiss.get_gpu_memory_info()[1] if hasattr(faiss, "get_gpu_memory_info") else 0
-            if total:
-                self._gpu_resources.setTempMemory(int(total * gpu_temp_memory_fraction))
+            self._gpu_resources = faiss.StandardGpuResources()  # must outlive the GPU index
             index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
         self.index = index
         self.ntotal = index.ntotal
