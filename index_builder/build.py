@@ -74,7 +74,9 @@ def build_datastore(
         values = window_values(tokens, plan)
         encoder = KeyEncoder(model_dir, config.key_type, config.dtype)
         encode_rate = _encode(work, tokens, plan, encoder, config, progress)
-        factory = index_factory_string(config.index, plan.entries, encoder.dim, config.pca_dim)
+        dim, vocab_size = encoder.dim, encoder.model.config.vocab_size
+        del encoder  # free the model's memory before training and adding
+        factory = index_factory_string(config.index, plan.entries, dim, config.pca_dim)
         keys = np.load(work / "keys.npy", mmap_mode="r")
         train_size = _train(work, keys, factory, config, progress)
         shards = _add_shards(work, keys, values, config, progress)
@@ -82,12 +84,12 @@ def build_datastore(
             model=ModelIdentity(
                 name=model_dir.name,
                 fingerprint=model_fingerprint(model_dir),
-                hidden_size=encoder.dim,
-                vocab_size=encoder.model.config.vocab_size,
+                hidden_size=dim,
+                vocab_size=vocab_size,
                 dtype=config.dtype,
             ),
             key_type=config.key_type,
-            dim=encoder.dim,
+            dim=dim,
             index=IndexSpec(factory=factory, nprobe=DEFAULT_NPROBE if "IVF" in factory else None, train_size=train_size),
             entries=plan.entries,
             shards=shards,
