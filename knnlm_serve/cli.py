@@ -12,7 +12,7 @@ from pathlib import Path
 from knnlm_serve.config import ConfigError, ServeConfig, load_serve_config
 from knnlm_serve.datastore import DatastoreError
 from knnlm_serve.model import DEFAULT_MODEL, ModelError, prepare_default_model, resolve_model
-from knnlm_serve.runtime import CONFIG_ENV, Runtime, check_datastore, hidden_size_of
+from knnlm_serve.runtime import CONFIG_ENV, Runtime, hidden_size_of
 
 KNN_ARCHITECTURES = ("LlamaForCausalLM",)
 DEFAULT_DATASTORE = "default"
@@ -35,37 +35,53 @@ def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
     return argv + list(config.vllm_args)
 
 
-def start_knn(config: ServeConfig, model_dir: Path) -> list:
-    """Check every datastore against the model, start Ray and the shard actors, and publish the
-    runtime to vLLM's processes through the environment they inherit. Returns the shard actors'
-    handles: the caller holds them for the server's lifetime (Ray collects unreferenced actors)."""
+def start_knn(config: ServeConfig, model_dir: Path) -> None:
+    """Start Ray, load every configured datastore (checked against the model, shard actors
+    started and probed) into the registry, and publish the runtime to vLLM's processes through
+    the environment they inherit. Also turns on what the admin API and metrics need."""
     architectures = json.loads((model_dir / "config.json").read_text()).get("architectures", [])
     if not set(architectures) & set(KNN_ARCHITECTURES):
         raise ModelError(f"kNN serving supports {KNN_ARCHITECTURES}; {model_dir} is {architectures}")
-    datastores = {}
+    # Metrics from vLLM's worker processes reach /metrics through prometheus multiprocess files.
+    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
+
+    setup_multiprocess_prometheus()
+    from knnlm_serve import registry
+
+    ray_address = None
+    if config.knn.backend == "ray":
+        import ray
+
+        ray.init(address=config.knn.ray_address, namespace=config.knn.ray_namespace,
+                 include_dashboard=False, log_to_driver=False)
+        ray_address = ray.get_runtime_context().gcs_address
+    runtime_file = Runtime(knn=config.knn, datastores={}).save()
+    registry.REGISTRY = registry.DatastoreRegistry(config.knn, model_dir, hidden_size_of(model_dir), runtime_file, ray_address)
     for name, path in config.knn.datastores.items():
         if path == DEFAULT_DATASTORE:
             from knnlm_serve.default_datastore import prepare_default_datastore
 
             path = prepare_default_datastore(model_dir)
-        datastores[name], _ = check_datastore(name, path, model_dir, hidden_size_of(model_dir))
-    runtime = Runtime(knn=config.knn, datastores=datastores)
-    actors = []
-    if config.knn.backend == "ray":
-        import ray
-
-        from knnlm_serve.retrieval import start_shard_actors
-
-        ray.init(address=config.knn.ray_address, namespace=config.knn.ray_namespace,
-                 include_dashboard=False, log_to_driver=False)
-        runtime = runtime.model_copy(update={"ray_address": ray.get_runtime_context().gcs_address})
-        actors = start_shard_actors(runtime)
-    os.environ[CONFIG_ENV] = str(runtime.save())
+        try:
+            info = registry.REGISTRY.load(name, path, make_default=name == config.knn.default_name)
+        except registry.AdminError as e:
+            raise DatastoreError(str(e)) from None
+        print(f"knnlm-serve: datastore {name!r}: {info.entries:,} entries, {len(info.shards)} shard(s), key {info.key_type}")
+    os.environ[CONFIG_ENV] = str(runtime_file)
     # vLLM's compile cache key ignores our MLP hook: a cached graph could silently drop it.
     os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-    for name, info in datastores.items():
-        print(f"knnlm-serve: datastore {name!r}: {info.entries:,} entries, {len(info.shards)} shard(s), key {info.key_type}")
-    return actors
+    # Endpoint plugins load only when allowlisted; keep any plugins the user allowlisted.
+    allowed = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    if allowed:
+        os.environ["VLLM_PLUGINS"] = ",".join(dict.fromkeys(allowed + ["knnlm", "knnlm_admin"]))
+    else:
+        os.environ["VLLM_PLUGINS"] = "knnlm,knnlm_admin," + ",".join(_installed_general_plugins())
+
+
+def _installed_general_plugins() -> list[str]:
+    from importlib.metadata import entry_points
+
+    return [e.name for e in entry_points(group="vllm.general_plugins")]
 
 
 def run_vllm_server(argv: list[str]) -> None:
@@ -127,14 +143,12 @@ def main(argv: list[str] | None = None) -> None:
             prepare_default_model()
         model_dir = resolve_model(config.model)
         argv = vllm_server_argv(config, str(model_dir))
-        shard_actors = []  # held until the server exits: Ray collects actors nobody references
         if config.knn.datastores:
-            shard_actors = start_knn(config, model_dir)
+            start_knn(config, model_dir)
             argv += ["--logits-processors", VALIDATOR]
     except (ConfigError, ModelError, DatastoreError) as e:
         sys.exit(f"knnlm-serve: error: {e}")
     run_vllm_server(argv)
-    print(f"knnlm-serve: stopped; released {len(shard_actors)} shard actor(s)")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,12 @@ class KnnConfig(_Strict):
     backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     ray_namespace: str = "knnlm"
-    shard_timeout_s: float = Field(10.0, gt=0, description="a step waits this long for a shard, then serves LM-only")
+    shard_timeout_s: float = Field(10.0, gt=0, description="a step waits this long for a shard before leaving it out")
+    on_shard_failure: Literal["partial", "lm_only"] = Field(
+        "partial", description="a dead or late shard: partial = merge the shards that answered; lm_only = skip kNN for the step"
+    )
+    datastore_root: str | None = Field(None, description="admin API: datastores may be loaded only from below this directory")
+    admin_token: str | None = Field(None, description="admin API token (or env KNNLM_ADMIN_TOKEN); unset = admin API disabled")
     gpu: bool | None = Field(None, description="FAISS on GPU; default: when faiss-gpu sees a device")
     gpu_fraction: float = Field(0.1, gt=0, le=1, description="share of a GPU each Ray shard actor reserves")
 

@@ -9,41 +9,42 @@ from __future__ import annotations
 from vllm.exceptions import VLLMValidationError
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
+from knnlm_serve import metrics
 from knnlm_serve.request_params import KnnParamError, parse_knn_params
-from knnlm_serve.runtime import load_runtime
+from knnlm_serve.runtime import RuntimeWatcher, runtime_path
 
 _registered = False
 
 
 def register() -> None:
     global _registered
-    runtime = load_runtime()
-    if runtime is None or _registered:
+    if runtime_path() is None or _registered:
         return
     from vllm import ModelRegistry
 
     from knnlm_serve.vllm_model import KnnLlamaForCausalLM
 
-    KnnLlamaForCausalLM.runtime = runtime
     ModelRegistry.register_model("LlamaForCausalLM", KnnLlamaForCausalLM)
     _registered = True
 
 
 class KnnParamsValidator(LogitsProcessor):
-    """Rejects bad `vllm_xargs` at admission (HTTP 400 naming the field); does nothing per step."""
+    """Rejects bad `vllm_xargs` at admission (HTTP 400 naming the field) against the datastores
+    serving right now, and counts admitted requests per datastore; does nothing per step."""
 
-    _runtime = None
+    _watcher: RuntimeWatcher | None = None
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        if cls._runtime is None:
-            cls._runtime = load_runtime()
-        if cls._runtime is None:
-            return
+        if cls._watcher is None:
+            if runtime_path() is None:
+                return
+            cls._watcher = RuntimeWatcher(runtime_path())
         try:
-            parse_knn_params(sampling_params.extra_args, cls._runtime.knn)
+            params = parse_knn_params(sampling_params.extra_args, cls._watcher.current().knn)
         except KnnParamError as e:
             raise VLLMValidationError(str(e), parameter=f"vllm_xargs.{e.field}", value=e.value) from None
+        metrics.REQUESTS.labels(params.datastore if params.active else "none").inc()
 
     def __init__(self, vllm_config, device, is_pin_memory):
         pass

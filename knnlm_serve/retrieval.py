@@ -1,35 +1,66 @@
-"""Batched top-k search over a datastore's shards: Ray actors (one per shard) or in-process.
+"""Batched top-k search over a datastore version's shards: Ray actors (one per shard) or in-process.
 
-Both backends answer `search(datastore, queries, k, nprobe) -> (distances, tokens)` with the
-global top-k, merged from every shard's top-k by distance.
+Both backends answer `search(info, queries, k, nprobe)` with the global top-k merged from every
+shard's top-k by distance. A shard that fails or misses the deadline is left out (policy
+`partial`) or fails the whole search (policy `lm_only`); either way the caller learns why.
 """
 
 from __future__ import annotations
 
+import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from knnlm_serve.config import KnnConfig
 from knnlm_serve.datastore import read_manifest
-from knnlm_serve.runtime import Runtime
+from knnlm_serve.runtime import DatastoreInfo
 from knnlm_serve.shard import ShardSearcher, gpu_available, merge_topk
 
 
 class RetrievalError(RuntimeError):
-    """A search that did not complete (shard dead or too slow); the step falls back to the LM."""
+    """A search that produced no usable answer; `reason` labels the fallback metric."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class SearchResult:
+    distances: np.ndarray
+    tokens: np.ndarray
+    shard_seconds: dict[str, float]
+    failed_shards: dict[str, str] = field(default_factory=dict)  # shard -> reason
+
+
+def _timed_search(searcher: ShardSearcher, queries: np.ndarray, k: int, nprobe: int | None):
+    start = time.perf_counter()
+    distances, tokens = searcher.search(queries, k, nprobe)
+    return distances, tokens, time.perf_counter() - start
 
 
 class LocalRetriever:
-    """All shards in this process: for tests, tiny stores and single-process deployments."""
+    """Shards searched in this process: for tests, tiny stores and single-process deployments."""
 
-    def __init__(self, runtime: Runtime):
-        self.shards: dict[str, list[ShardSearcher]] = {}
-        for name, info in runtime.datastores.items():
+    def __init__(self, knn: KnnConfig):
+        self.gpu = knn.gpu
+        self._shards: dict[tuple[str, int], list[ShardSearcher]] = {}
+
+    def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None) -> SearchResult:
+        key = (info.name, info.version)
+        if key not in self._shards:
             manifest = read_manifest(info.path)
-            self.shards[name] = [ShardSearcher(Path(info.path), s, use_gpu=runtime.knn.gpu) for s in manifest.shards]
+            self._shards[key] = [ShardSearcher(Path(info.path), s, use_gpu=self.gpu) for s in manifest.shards]
+        answers = {s.name: _timed_search(s, queries, k, nprobe) for s in self._shards[key]}
+        distances, tokens = merge_topk([(d, t) for d, t, _ in answers.values()], k)
+        return SearchResult(distances, tokens, {name: a[2] for name, a in answers.items()})
 
-    def search(self, datastore: str, queries: np.ndarray, k: int, nprobe: int | None) -> tuple[np.ndarray, np.ndarray]:
-        return merge_topk([s.search(queries, k, nprobe) for s in self.shards[datastore]], k)
+    def release(self, keep: set[tuple[str, int]]) -> None:
+        for key in set(self._shards) - keep:
+            del self._shards[key]
 
 
 class ShardActor:
@@ -41,58 +72,82 @@ class ShardActor:
         self.searcher = ShardSearcher(Path(root), shard, use_gpu=use_gpu)
 
     def describe(self) -> dict:
-        return {"name": self.searcher.name, "entries": self.searcher.ntotal, "on_gpu": self.searcher.on_gpu}
+        return {"name": self.searcher.name, "entries": self.searcher.ntotal, "on_gpu": self.searcher.on_gpu, "pid": os.getpid()}
 
-    def search(self, queries: np.ndarray, k: int, nprobe: int | None) -> tuple[np.ndarray, np.ndarray]:
-        return self.searcher.search(queries, k, nprobe)
-
-
-def actor_name(datastore: str, shard: str) -> str:
-    return f"{datastore}/{shard}"
+    def search(self, queries: np.ndarray, k: int, nprobe: int | None):
+        return _timed_search(self.searcher, queries, k, nprobe)
 
 
-def start_shard_actors(runtime: Runtime) -> list:
-    """Create (or reuse) one named actor per shard in the runtime's namespace; wait until loaded.
+def actor_name(info: DatastoreInfo, shard: str) -> str:
+    return f"{info.name}@{info.version}/{shard}"
 
-    The caller (the launcher) owns them: they live as long as the server does."""
+
+def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list:
+    """One named actor per shard of this datastore version, loaded before this returns.
+
+    Ray restarts a dead actor (reloading its shard) under the same name and handle."""
     import ray
 
-    use_gpu = runtime.knn.gpu if runtime.knn.gpu is not None else gpu_available()
-    actors = []
-    for name, info in runtime.datastores.items():
-        for shard in info.shards:
-            options = dict(name=actor_name(name, shard), namespace=runtime.knn.ray_namespace,
-                           get_if_exists=True, max_restarts=-1, num_cpus=0, num_gpus=runtime.knn.gpu_fraction if use_gpu else 0)
-            actors.append(ray.remote(ShardActor).options(**options).remote(info.path, shard, use_gpu))
+    use_gpu = knn.gpu if knn.gpu is not None else gpu_available()
+    actors = [
+        ray.remote(ShardActor).options(
+            name=actor_name(info, shard), namespace=knn.ray_namespace, get_if_exists=True, max_restarts=-1,
+            num_cpus=0, num_gpus=knn.gpu_fraction if use_gpu else 0,
+        ).remote(info.path, shard, use_gpu)
+        for shard in info.shards
+    ]
     ray.get([a.describe.remote() for a in actors])
     return actors
 
 
 class RayRetriever:
-    """Fans a step's queries out to every shard actor in parallel and merges their answers."""
+    """Fans a step's queries out to every shard actor in parallel and merges what comes back in time."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, knn: KnnConfig, ray_address: str | None):
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=runtime.ray_address, namespace=runtime.knn.ray_namespace, log_to_driver=False)
-        self.timeout = runtime.knn.shard_timeout_s
-        self.actors = {
-            name: [ray.get_actor(actor_name(name, s), namespace=runtime.knn.ray_namespace) for s in info.shards]
-            for name, info in runtime.datastores.items()
-        }
+            ray.init(address=ray_address, namespace=knn.ray_namespace, log_to_driver=False)
+        self.knn = knn
+        self._actors: dict[tuple[str, int], list] = {}
 
-    def search(self, datastore: str, queries: np.ndarray, k: int, nprobe: int | None) -> tuple[np.ndarray, np.ndarray]:
+    def _handles(self, info: DatastoreInfo) -> list:
+        import ray
+
+        key = (info.name, info.version)
+        if key not in self._actors:
+            self._actors[key] = [ray.get_actor(actor_name(info, s), namespace=self.knn.ray_namespace) for s in info.shards]
+        return self._actors[key]
+
+    def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None) -> SearchResult:
         import ray
 
         queries_ref = ray.put(np.ascontiguousarray(queries, dtype=np.float32))
-        refs = [actor.search.remote(queries_ref, k, nprobe) for actor in self.actors[datastore]]
-        try:
-            answers = ray.get(refs, timeout=self.timeout)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
-            raise RetrievalError(f"datastore {datastore!r}: {type(e).__name__}: {e}") from e
-        return merge_topk(answers, k)
+        refs = {shard: actor.search.remote(queries_ref, k, nprobe) for shard, actor in zip(info.shards, self._handles(info))}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.knn.shard_timeout_s)
+        answers, seconds, failed = [], {}, {}
+        for shard, ref in refs.items():
+            if ref not in ready:
+                failed[shard] = "shard_timeout"
+                ray.cancel(ref)
+                continue
+            try:
+                distances, tokens, took = ray.get(ref)
+            except ray.exceptions.RayError:
+                failed[shard] = "shard_error"
+                continue
+            answers.append((distances, tokens))
+            seconds[shard] = took
+        if failed and (not answers or self.knn.on_shard_failure == "lm_only"):
+            reason = next(iter(failed.values()))
+            raise RetrievalError(f"datastore {info.name!r} v{info.version}: shards {failed}", reason)
+        distances, tokens = merge_topk(answers, k)
+        return SearchResult(distances, tokens, seconds, failed)
+
+    def release(self, keep: set[tuple[str, int]]) -> None:
+        for key in set(self._actors) - keep:
+            del self._actors[key]
 
 
-def make_retriever(runtime: Runtime) -> LocalRetriever | RayRetriever:
-    return RayRetriever(runtime) if runtime.knn.backend == "ray" else LocalRetriever(runtime)
+def make_retriever(knn: KnnConfig, ray_address: str | None) -> LocalRetriever | RayRetriever:
+    return RayRetriever(knn, ray_address) if knn.backend == "ray" else LocalRetriever(knn)

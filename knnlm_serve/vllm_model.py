@@ -3,39 +3,48 @@
 Data path, per call of `compute_logits(hidden_states)` (one per step for sampling rows, and one
 per request for prompt-logprob rows):
   1. map each row to its token in the step and its request (from the V1 model runner's batch);
-  2. parse each request's `extra_args` into KnnParams; group the active rows by datastore;
+  2. parse each request's `extra_args` into KnnParams and find the datastore version the request
+     is pinned to (the one serving when the request started: a hot-swap never changes a running
+     request's datastore, and a step never mixes versions for one request);
   3. take each row's key vector (`final` = these hidden states, `ffn_input` = the captured input
-     of the last layer's MLP), search the datastore's shards, merge into the global top-k;
+     of the last layer's MLP), search that version's shards, merge into the global top-k;
   4. replace those rows' logits by log(λ·p_kNN + (1−λ)·p_LM).
 vLLM computes sample and prompt logprobs from what this returns, so clients see the mixture.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
+import time
 from collections import defaultdict
 
 import numpy as np
 import torch
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
+from knnlm_serve import metrics
 from knnlm_serve.interpolate import interpolate
 from knnlm_serve.request_params import KnnParamError, KnnParams, parse_knn_params
 from knnlm_serve.retrieval import RetrievalError, make_retriever
-from knnlm_serve.runtime import Runtime
+from knnlm_serve.runtime import DatastoreInfo, Runtime, RuntimeWatcher, in_use_file, runtime_path
 
 logger = logging.getLogger("knnlm_serve")
 
 
 class KnnLlamaForCausalLM(LlamaForCausalLM):
-    runtime: Runtime  # set by the plugin before vLLM builds the model
-
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
         self._captured: dict[str, torch.Tensor] = {}
         self._runner = None
-        self._retriever = make_retriever(self.runtime)
+        self._watcher = RuntimeWatcher(runtime_path())
+        runtime = self._watcher.current()
+        self._retriever = make_retriever(runtime.knn, runtime.ray_address)
+        self._step_runtime: Runtime = runtime
+        self._pins: dict[str, DatastoreInfo] = {}  # request id -> datastore version it started on
+        self._published_in_use: set | None = None
         # Registered before the first (compiled) forward so Dynamo traces it into the graph.
         self.model.layers[self.model.end_layer - 1].mlp.register_forward_pre_hook(self._capture_ffn_input)
 
@@ -58,28 +67,39 @@ class KnnLlamaForCausalLM(LlamaForCausalLM):
         rows = self._rows_of(hidden_states)
         if rows is None:
             return logits
-        token_index, params = rows
-        groups: dict[str, list[int]] = defaultdict(list)
-        for row, p in enumerate(params):
+        token_index, req_ids = rows
+        groups: dict[tuple[str, int], list[int]] = defaultdict(list)
+        params: list[KnnParams] = []
+        infos: dict[tuple[str, int], DatastoreInfo] = {}
+        for row, req_id in enumerate(req_ids):
+            p = self._params(req_id)
+            params.append(p)
             if p.active:
-                groups[p.datastore].append(row)
+                info = self._pinned(req_id, p.datastore)
+                if info is None:  # unloaded between admission and the request's first step
+                    metrics.FALLBACKS.labels(p.datastore, "datastore_unloaded").inc()
+                    continue
+                infos[(info.name, info.version)] = info
+                groups[(info.name, info.version)].append(row)
         if not groups:
             return logits
         logits = logits.float()
-        for name, group in groups.items():
-            self._mix_datastore(logits, name, group, token_index, params)
+        for key, group in groups.items():
+            self._mix_datastore(logits, infos[key], group, token_index, params)
         return logits
 
-    def _mix_datastore(self, logits, name: str, group: list[int], token_index: np.ndarray, params: list[KnnParams]) -> None:
-        info = self.runtime.datastores[name]
+    def _mix_datastore(self, logits, info: DatastoreInfo, group: list[int], token_index: np.ndarray, params: list[KnnParams]) -> None:
         keys = self._captured[info.key_type][torch.as_tensor(token_index[group], device=logits.device)]
         ks = np.array([params[r].k for r in group])
-        nprobe = self.runtime.knn.nprobe or info.nprobe
+        nprobe = self._step_runtime.knn.nprobe or info.nprobe
+        start = time.perf_counter()
         try:
-            distances, tokens = self._retriever.search(name, keys.float().cpu().numpy(), int(ks.max()), nprobe)
+            result = self._retriever.search(info, keys.float().cpu().numpy(), int(ks.max()), nprobe)
         except RetrievalError as e:
+            metrics.FALLBACKS.labels(info.name, e.reason).inc(len(group))
             logger.warning("knnlm: serving %d row(s) LM-only: %s", len(group), e)
             return
+        distances, tokens = result.distances, result.tokens
         beyond_k = np.arange(distances.shape[1])[None, :] >= ks[:, None]  # rows that asked for fewer
         distances[beyond_k], tokens[beyond_k] = np.inf, -1
         index = torch.as_tensor(group, device=logits.device)
@@ -90,12 +110,21 @@ class KnnLlamaForCausalLM(LlamaForCausalLM):
             torch.tensor([params[r].lambda_ for r in group], device=logits.device),
             torch.tensor([params[r].temperature for r in group], device=logits.device),
         )
+        metrics.RETRIEVAL_SECONDS.labels(info.name).observe(time.perf_counter() - start)
+        metrics.RETRIEVAL_STEPS.labels(info.name).inc()
+        metrics.QUERIES.labels(info.name).inc(len(group))
+        metrics.NEIGHBOURS.labels(info.name).inc(int(ks.sum()))
+        for shard, seconds in result.shard_seconds.items():
+            metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
+        for reason in result.failed_shards.values():
+            metrics.FALLBACKS.labels(info.name, reason).inc(len(group))
 
-    def _rows_of(self, hidden_states: torch.Tensor) -> tuple[np.ndarray, list[KnnParams]] | None:
-        """Each logits row's token index in this step's flattened batch and its request's params.
+    def _rows_of(self, hidden_states: torch.Tensor) -> tuple[np.ndarray, list[str]] | None:
+        """Each logits row's token index in this step's flattened batch and its request id.
 
         Sampling calls pass `hidden[logits_indices]` (a copy, one row per request, last token);
-        prompt-logprob calls pass a view `hidden[start:start + n]` of one request's tokens."""
+        prompt-logprob calls pass a view `hidden[start:start + n]` of one request's tokens and
+        come after the step's sampling call."""
         runner = self._model_runner()
         batch = runner.input_batch
         num_reqs = batch.num_reqs
@@ -110,17 +139,42 @@ class KnnLlamaForCausalLM(LlamaForCausalLM):
             if runner.speculative_config is not None or hidden_states.shape[0] != num_reqs:
                 raise RuntimeError("knnlm: speculative decoding is not supported")
             token_index = query_start[1:] - 1
+            self._start_step(runner)
         request_index = np.searchsorted(query_start[1:], token_index, side="right")
-        params = [self._params(runner, batch.req_ids[i]) for i in request_index]
-        return token_index, params
+        return token_index, [batch.req_ids[i] for i in request_index]
 
-    def _params(self, runner, req_id: str) -> KnnParams:
-        extra_args = runner.requests[req_id].sampling_params.extra_args
+    def _start_step(self, runner) -> None:
+        """Once per step: pick up admin changes, forget finished requests, report pinned versions."""
+        self._step_runtime = self._watcher.current()
+        for req_id in [r for r in self._pins if r not in runner.requests]:
+            del self._pins[req_id]
+        in_use = {(i.name, i.version) for i in self._pins.values()}
+        current = {(i.name, i.version) for i in self._step_runtime.datastores.values()}
+        self._retriever.release(in_use | current)
+        if in_use != self._published_in_use:
+            target = in_use_file(self._watcher.path, os.getpid())
+            tmp = target.with_name(f".{target.name}.tmp")
+            tmp.write_text(json.dumps(sorted(in_use)))
+            os.replace(tmp, target)
+            self._published_in_use = in_use
+
+    def _pinned(self, req_id: str, datastore: str) -> DatastoreInfo | None:
+        """The version serving when the request first reached a step; kept for its whole life."""
+        if req_id not in self._pins and datastore in self._step_runtime.datastores:
+            self._pins[req_id] = self._step_runtime.datastores[datastore]
+        return self._pins.get(req_id)
+
+    def _params(self, req_id: str) -> KnnParams:
+        extra_args = self._runner.requests[req_id].sampling_params.extra_args
+        knn = self._step_runtime.knn
+        pinned = self._pins.get(req_id)
+        if pinned is not None and pinned.name not in knn.datastores:  # unloaded while running
+            knn = knn.model_copy(update={"datastores": {**knn.datastores, pinned.name: pinned.path}})
         try:
-            return parse_knn_params(extra_args, self.runtime.knn)
+            return parse_knn_params(extra_args, knn)
         except KnnParamError as e:  # the API server rejects these; offline callers may not
             logger.warning("knnlm: request %s served LM-only: %s", req_id, e)
-            return parse_knn_params({"knn": False}, self.runtime.knn)
+            return parse_knn_params({"knn": False}, knn)
 
     def _model_runner(self):
         """The V1 model runner that called us (found once, by walking up the call stack)."""
