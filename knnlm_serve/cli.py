@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from knnlm_serve.config import ConfigError, ServeConfig, load_serve_config
@@ -42,10 +45,6 @@ def start_knn(config: ServeConfig, model_dir: Path) -> None:
     architectures = json.loads((model_dir / "config.json").read_text()).get("architectures", [])
     if not set(architectures) & set(KNN_ARCHITECTURES):
         raise ModelError(f"kNN serving supports {KNN_ARCHITECTURES}; {model_dir} is {architectures}")
-    # Metrics from vLLM's worker processes reach /metrics through prometheus multiprocess files.
-    from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
-
-    setup_multiprocess_prometheus()
     from knnlm_serve import registry
 
     ray_address = None
@@ -138,6 +137,12 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 print(resolve_model(config.model))
             return
+        if config.knn.datastores:
+            # Metrics recorded in vLLM's worker processes and in this one reach /metrics through
+            # prometheus_client's multiprocess files; it picks that mode when first imported.
+            if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="knnlm-metrics-")
+                atexit.register(shutil.rmtree, os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
         check_accelerator()
         if config.model == DEFAULT_MODEL:
             prepare_default_model()

@@ -9,6 +9,7 @@ request. Any failure leaves the serving state untouched.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -44,6 +45,7 @@ class DatastoreRegistry:
         self._retired: dict[tuple[str, int], tuple[DatastoreInfo, float]] = {}
         self._versions: dict[str, int] = {}
         self._pids: dict[str, int] = {}
+        self._info_labels: set[tuple[str, ...]] = set()
         self._lock = threading.RLock()
         self.runtime.save(runtime_file)
         threading.Thread(target=self._reap_forever, daemon=True, name="knnlm-reaper").start()
@@ -145,9 +147,12 @@ class DatastoreRegistry:
             if self.runtime.knn.backend == "ray":
                 import ray
 
-                answers = ray.get([a.search.remote(query, 1, None) for a in self._actors[(info.name, info.version)]],
-                                  timeout=self.runtime.knn.shard_timeout_s)
+                actors = self._actors[(info.name, info.version)]
+                timeout = self.runtime.knn.shard_timeout_s
+                answers = ray.get([a.search.remote(query, 1, None) for a in actors], timeout=timeout)
                 ok = all(a[1].shape == (1, 1) for a in answers)
+                for shard, described in zip(info.shards, ray.get([a.describe.remote() for a in actors], timeout=timeout)):
+                    self._pids[actor_name(info, shard)] = described["pid"]  # to notice restarts
             else:
                 ok = all(s.search(query, 1)[1].shape == (1, 1) for s in open_shards(Path(info.path), read_manifest(info.path)))
         except Exception as e:  # noqa: BLE001 - any failure of the probe rejects the load
@@ -165,9 +170,13 @@ class DatastoreRegistry:
             update={"knn": knn, "datastores": datastores, "generation": self.runtime.generation + 1}
         )
         self.runtime.save(self.runtime_file)
-        metrics.DATASTORE_INFO.clear()
-        for i in datastores.values():
-            metrics.DATASTORE_INFO.labels(i.name, str(i.version), str(i.entries), str(len(i.shards)), i.key_type).set(1)
+        # Multiprocess files keep every label set ever written: retire old ones with 0, not clear().
+        labels = {(i.name, str(i.version), str(i.entries), str(len(i.shards)), i.key_type) for i in datastores.values()}
+        for old in self._info_labels - labels:
+            metrics.DATASTORE_INFO.labels(*old).set(0)
+        for new in labels:
+            metrics.DATASTORE_INFO.labels(*new).set(1)
+        self._info_labels = labels
 
     def _retire(self, info: DatastoreInfo) -> None:
         self._retired[(info.name, info.version)] = (info, time.monotonic())
@@ -187,9 +196,12 @@ class DatastoreRegistry:
 
     def _reap_forever(self) -> None:
         """Kill retired versions' actors once no worker lists them. The grace period covers a
-        request pinned in the very step that raced the swap (workers report pins a step later)."""
-        while True:
+        request pinned in the very step that raced the swap (workers report pins a step later).
+        Every few seconds, also check the shards' health, which counts actor restarts."""
+        for tick in itertools.count():
             time.sleep(0.5)
+            if tick % 10 == 0 and self.runtime.knn.backend == "ray":
+                self.health()
             with self._lock:
                 if not self._retired:
                     continue

@@ -1,0 +1,244 @@
+"""Datastores under traffic: hot-swap, shard faults, admin API errors, metrics (real server, Ray, FAISS)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import requests
+
+from conftest import TINY_SERVER, RunningServer, make_tiny_llama
+from index_builder.build import build_datastore
+from knnlm_serve.config import BuildConfig
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "The keeper of the lighthouse on the western cape wrote in the log that at midnight"
+TEXT_A = PREFIX + " a silver ship without sails drifted past the rocks and vanished into the fog."
+TEXT_B = PREFIX + " the great lamp went dark for an hour while wolves sang on the frozen beach."
+TOKEN = "s3cret"
+CONTINUATION = 12
+
+
+@pytest.fixture(scope="module")
+def root(tiny_model_dir, tmp_path_factory, smollm2_dir):
+    root = tmp_path_factory.mktemp("datastores")
+    config = BuildConfig(index="flat", context_length=128, stride=64)
+    for name, text, extra in (("a", TEXT_A, {"shards": 2}), ("b", TEXT_B, {}), ("a-final", TEXT_A, {"key_type": "final"})):
+        (root / f"{name}.txt").write_text(text)
+        build_datastore([root / f"{name}.txt"], root / name, tiny_model_dir, config.model_copy(update=extra), progress=False)
+    other_model = make_tiny_llama(tmp_path_factory.mktemp("other-model"), smollm2_dir, seed=1)
+    build_datastore([root / "a.txt"], root / "other-model", other_model, config, progress=False)
+    shutil.copytree(root / "a", root / "truncated")
+    values = root / "truncated/shard-000/values.npy"
+    values.write_bytes(values.read_bytes()[:-16])
+    shutil.copytree(root / "a", root / "corrupt")
+    index = root / "corrupt/shard-001/index.faiss"
+    data = bytearray(index.read_bytes())
+    data[-5] ^= 0xFF
+    index.write_bytes(bytes(data))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, root):
+    knn = {"datastores": {"main": str(root / "a")}, "k": 8, "lambda": 1.0, "admin_token": TOKEN,
+           "datastore_root": str(root), "shard_timeout_s": 3.0}
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def ids(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prefix = tokenizer(PREFIX).input_ids
+    return {"prompt": prefix, **{k: tokenizer(t).input_ids[len(prefix): len(prefix) + CONTINUATION] for k, t in (("a", TEXT_A), ("b", TEXT_B))}}
+
+
+def admin(server, method, route, token=TOKEN, **body):
+    headers = {"X-Admin-Token": token} if token else {}
+    return requests.request(method, f"{server.base_url}/v1/knn{route}", json=body or None, headers=headers, timeout=120)
+
+
+def complete(server, prompt, **xargs):
+    choice = server.openai_client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=CONTINUATION, temperature=0,
+        extra_body={"vllm_xargs": xargs, "return_token_ids": True},
+    ).choices[0]
+    return choice.token_ids
+
+
+def scrape(server) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{server.base_url}/metrics").read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("knnlm_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def total(values: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in values.items() if k.startswith(prefix))
+
+
+def test_metrics_count_every_knn_step(server, ids):
+    before = scrape(server)
+    for _ in range(3):
+        assert complete(server, ids["prompt"]) == ids["a"]
+    after = scrape(server)
+    # Batch of one, no prompt logprobs: one retrieval step per generated token.
+    steps = total(after, 'knnlm_retrieval_steps_total{datastore="main"}') - total(before, 'knnlm_retrieval_steps_total{datastore="main"}')
+    assert steps == 3 * CONTINUATION
+    assert total(after, 'knnlm_neighbours_total{datastore="main"}') - total(before, 'knnlm_neighbours_total{datastore="main"}') == 3 * CONTINUATION * 8
+    assert total(after, 'knnlm_requests_total{datastore="main"}') - total(before, 'knnlm_requests_total{datastore="main"}') == 3
+    assert after['knnlm_datastore_info{datastore="main",entries="%d",key_type="ffn_input",shards="2",version="1"}' % server_entries(server)] == 1
+    latency_sum = total(after, 'knnlm_retrieval_seconds_sum{datastore="main"}') - total(before, 'knnlm_retrieval_seconds_sum{datastore="main"}')
+    assert 0 < latency_sum / steps < 1.0  # seconds per step: positive and plausible
+    assert total(after, "knnlm_shard_search_seconds_count") > 0
+
+
+def server_entries(server) -> int:
+    return admin(server, "GET", "/datastores").json()["datastores"][0]["entries"]
+
+
+def test_admin_needs_the_admin_token(server):
+    assert admin(server, "GET", "/datastores", token=None).status_code == 401
+    assert admin(server, "GET", "/datastores", token="wrong").status_code == 401
+    listing = admin(server, "GET", "/datastores").json()
+    assert listing["default"] == "main" and listing["datastores"][0]["status"] == "serving"
+
+
+@pytest.mark.parametrize(
+    "path, body, status, message",
+    [
+        ("../outside", {}, 403, "outside the datastore root"),
+        ("missing", {}, 404, "does not exist"),
+        ("other-model", {}, 422, "built for model"),
+        ("a-final", {}, 422, "key type"),
+        ("b", {"key_type": "final"}, 422, "key type"),
+        ("truncated", {}, 422, "truncated"),
+        ("corrupt", {}, 422, "checksum mismatch"),
+    ],
+)
+def test_bad_loads_are_4xx_and_leave_serving_unchanged(server, ids, path, body, status, message):
+    before = admin(server, "GET", "/datastores").json()
+    response = admin(server, "POST", "/datastores", name="main", path=path, **body)
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]["message"]
+    assert admin(server, "GET", "/datastores").json() == before
+    assert complete(server, ids["prompt"]) == ids["a"]
+
+
+def test_swap_twice_under_streaming_load(server, ids):
+    results, errors, stop = [], [], threading.Event()
+
+    def client():
+        openai_client = server.openai_client()
+        while not stop.is_set():
+            try:
+                stream = openai_client.completions.create(
+                    model="tiny", prompt=ids["prompt"], max_tokens=CONTINUATION, temperature=0, stream=True,
+                    extra_body={"return_token_ids": True},
+                )
+                tokens = [t for chunk in stream for t in (chunk.choices[0].token_ids or [])]
+                results.append(tokens)
+            except Exception as e:  # noqa: BLE001 - every failure is a test failure
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=client) for _ in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        for path, expect in (("b", "b"), ("a", "a")):
+            time.sleep(2)
+            response = admin(server, "POST", "/datastores", name="main", path=path)
+            assert response.status_code == 200, response.text
+            deadline = time.monotonic() + 60
+            while complete(server, ids["prompt"]) != ids[expect]:
+                assert time.monotonic() < deadline, "the swap never took effect"
+                time.sleep(0.2)
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert errors == []
+    assert len(results) > 16
+    mixed = [r for r in results if r not in (ids["a"], ids["b"])]
+    assert mixed == [], f"{len(mixed)} responses mix two datastore versions"
+    assert ids["b"] in results and ids["a"] in results
+    listing = admin(server, "GET", "/datastores").json()
+    assert [(d["name"], d["version"], d["status"]) for d in listing["datastores"]][0] == ("main", 3, "serving")
+    deadline = time.monotonic() + 30  # retired versions are released once no request uses them
+    while len(admin(server, "GET", "/datastores").json()["datastores"]) > 1:
+        assert time.monotonic() < deadline, "old versions were never released"
+        time.sleep(0.5)
+    assert total(scrape(server), 'knnlm_swaps_total{datastore="main",result="swapped"}') >= 2
+
+
+def prompt_logprobs(server, prompt):
+    result = server.openai_client().completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
+        extra_body={"vllm_xargs": {"knn_lambda": 0.5}},
+    )
+    return np.array(result.choices[0].logprobs.token_logprobs[1:-1], dtype=np.float64)
+
+
+def test_killed_shard_actor_never_fails_a_request_and_recovers(server, ids):
+    import ray
+
+    full_prompt = ids["prompt"] + ids["a"]
+    baseline = prompt_logprobs(server, full_prompt)
+    version = admin(server, "GET", "/datastores").json()["datastores"][0]["version"]
+    before = scrape(server)
+    errors, stop = [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            try:
+                complete(server, ids["prompt"])
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    ray.init(address="auto", namespace="knnlm", log_to_driver=False)
+    try:
+        time.sleep(1)
+        ray.kill(ray.get_actor(f"main@{version}/shard-001"), no_restart=False)
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        ray.shutdown()
+    assert errors == []
+    fallbacks = total(scrape(server), "knnlm_fallbacks_total") - total(before, "knnlm_fallbacks_total")
+    assert fallbacks > 0
+    deadline = time.monotonic() + 60
+    while not (health := admin(server, "GET", "/health").json())["healthy"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.5)
+    assert total(scrape(server), "knnlm_shard_restarts_total") >= 1
+    np.testing.assert_allclose(prompt_logprobs(server, full_prompt), baseline, atol=1e-5)
+
+
+def test_unload_and_default(server, ids):
+    assert admin(server, "POST", "/datastores", name="second", path="b").status_code == 200
+    assert admin(server, "PUT", "/default", name="second").json() == {"default": "second"}
+    assert complete(server, ids["prompt"]) == ids["b"]
+    assert admin(server, "DELETE", "/datastores/second").status_code == 200
+    assert admin(server, "GET", "/datastores").json()["default"] == "main"
+    assert complete(server, ids["prompt"]) == ids["a"]
+    assert admin(server, "DELETE", "/datastores/second").status_code == 404
+    with pytest.raises(Exception) as e:  # an unloaded name is now an unknown datastore: HTTP 400
+        complete(server, ids["prompt"], knn_datastore="second")
+    assert getattr(e.value, "status_code", None) == 400 and "knn_datastore" in str(e.value)
