@@ -175,7 +175,8 @@ def plan_variants(manifests: dict[str, Manifest], config: EvalConfig) -> list[Va
     variants = []
     for n, (name, m) in enumerate(manifests.items()):
         is_ivf = m.index.nprobe is not None
-        probes = sorted({m.index.nprobe, *config.nprobes}) if is_ivf else [None]
+        # The manifest's nprobe first: variant 0 is what the vLLM engine serves.
+        probes = [m.index.nprobe, *sorted(set(config.nprobes) - {m.index.nprobe})] if is_ivf else [None]
         variants += [Variant(name, m.key_type, m.index.factory, p) for p in probes]
         if config.exact and m.index.factory != "Flat":
             if any(s.keys is None for s in m.shards):
@@ -337,13 +338,12 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, config)
 
     # The served setting: the first datastore as built (manifest nprobe), at its own best (k, τ, λ).
-    served_i = 0
-    sb = results[served_i]["best"]
+    served, sb = variants[0], results[0]["best"]
     t0 = time.monotonic()
     xargs = {"knn": True, "knn_datastore": main, "knn_lambda": sb["lambda"], "knn_k": sb["k"], "knn_temperature": sb["temperature"]}
     log_p_served = score_with_vllm(llm, text, xargs, config.progress)
     timings["knn_pass_s"] = time.monotonic() - t0
-    sd, sm = neighbours[variants[served_i]]
+    sd, sm = neighbours[served]
     log_p_numpy = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
     del llm
     timings["total_s"] = time.monotonic() - started
@@ -360,7 +360,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
         "best": {"variant": best_v.label, "index": best_v.index, "nprobe": best_v.nprobe, "key_type": best_v.key_type, **best},
         "adaptive": {"variant": best_v.label, "k": best["k"], "temperature": best["temperature"], **adaptive},
         "served": {
-            "variant": variants[served_i].label, **{k: sb[k] for k in ("k", "temperature", "lambda")},
+            "variant": served.label, **{k: sb[k] for k in ("k", "temperature", "lambda")},
             "vllm_tune_ppl": perplexity(log_p_served[tune]), "vllm_report_ppl": perplexity(log_p_served[~tune]),
             "numpy_tune_ppl": perplexity(log_p_numpy[tune]), "numpy_report_ppl": perplexity(log_p_numpy[~tune]),
             "max_abs_logprob_diff": float(np.max(np.abs(log_p_served - log_p_numpy))),

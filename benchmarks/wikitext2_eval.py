@@ -1,0 +1,79 @@
+"""WikiText-2 reproduction of `knnlm-eval` (docs/RESULTS.md): does kNN-LM help SmolLM2 here?
+
+    .venv/bin/python benchmarks/wikitext2_eval.py        # ~30 min on 2 busy CPU cores
+
+  * datastores: a prefix of WikiText-2 valid.txt (`--valid-chars`), keyed twice with the default
+    build settings except stride 448 (fewer re-encoded tokens): ffn_input keys in an IVF-PQ index
+    with `--keep-keys` (so the same keys are also searched exactly, flat L2), and final keys
+    (flat); the first datastore's random fractions give the size curve;
+  * eval text: a prefix of test.txt (`--test-chars`); its first 20% of scored tokens tune λ, τ, k
+    and the adaptive λ, the remaining 80% are reported.
+
+WikiText is read from ../shared/data/wikitext-2 beside the repository, un-escaped (" @-@ " -> "-"
+etc.) into `--work` outside the repository; datastores go to ~/.cache/knnlm-serve/datastores
+(one that already exists there is reused). Results: docs/results/ (JSON, Markdown, PNGs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from build_throughput import WIKITEXT, prepare_corpus  # noqa: E402  (un-escapes and cuts at a line end)
+
+from index_builder.build import build_datastore  # noqa: E402
+from knnlm_serve.config import BuildConfig  # noqa: E402
+from knnlm_serve.datastore import MANIFEST  # noqa: E402
+from knnlm_serve.eval import EvalConfig, evaluate, markdown_table, write_report  # noqa: E402
+from knnlm_serve.model import cache_dir, prepare_default_model  # noqa: E402
+
+
+def ensure_datastore(corpus: Path, name: str, model_dir: Path, config: BuildConfig) -> Path:
+    out = cache_dir() / "datastores" / name
+    if not (out / MANIFEST).exists():
+        build_datastore([corpus], out, model_dir, config)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--valid-chars", type=int, default=110_000, help="valid.txt prefix for the datastores (~28k tokens)")
+    parser.add_argument("--test-chars", type=int, default=60_000, help="test.txt prefix to evaluate (~15k tokens)")
+    parser.add_argument("--stride", type=int, default=448, help="builder and eval stride (context 512)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-wt2"), help="scratch directory for the un-escaped text")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs/results")
+    args = parser.parse_args()
+
+    model_dir = prepare_default_model()
+    args.work.mkdir(parents=True, exist_ok=True)
+    valid = prepare_corpus(WIKITEXT / "valid.txt", args.valid_chars, args.work)
+    test = prepare_corpus(WIKITEXT / "test.txt", args.test_chars, args.work)
+
+    name = f"valid{args.valid_chars // 1000}k"
+    build = BuildConfig(stride=args.stride)
+    datastores = {
+        f"{name}-ffn_input": ensure_datastore(valid, f"wt2-{name}-ffn_input", model_dir, build.model_copy(update={"index": "ivfpq", "keep_keys": True})),
+        f"{name}-final": ensure_datastore(valid, f"wt2-{name}-final", model_dir, build.model_copy(update={"key_type": "final", "index": "flat"})),
+    }
+
+    config = EvalConfig(
+        stride=args.stride, ks=(8, 32, 128, 512, 1024), temperatures=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+        nprobes=(4, 128), exact=True, fractions=(0.1, 0.3), tune_fraction=0.2,
+    )
+    run = evaluate([test], datastores, model_dir, config)
+    run.summary["reproduction"] = {
+        "command": "benchmarks/wikitext2_eval.py " + " ".join(sys.argv[1:]),
+        "valid_chars": args.valid_chars, "test_chars": args.test_chars,
+        "datastores": {n: json.loads((p / MANIFEST).read_text())["corpus"] | {"path": str(p)} for n, p in datastores.items()},
+    }
+    write_report(run, args.out)
+    print(markdown_table(run.summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""knnlm-eval on the tiny model: its perplexities are the right numbers, and bad input is refused."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import make_tiny_llama
+from index_builder.build import build_datastore
+from index_builder.encode import KeyEncoder
+from knnlm_serve.config import BuildConfig
+from knnlm_serve.datastore import read_manifest
+from knnlm_serve.eval import EvalConfig, evaluate, load_eval_text, write_report
+from knnlm_serve.eval_cli import main as eval_main
+from knnlm_serve.shard import merge_topk, open_shards
+
+CONFIG = EvalConfig(context_length=128, stride=64, ks=(4, 16), temperatures=(1.0, 10.0), lambdas=(0.0, 0.25, 0.5, 0.9),
+                    fractions=(0.5,), exact=True, kv_cache_gib=0.25, progress=False)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """A datastore text, and an eval text that repeats part of it (so retrieval helps) plus new text."""
+    import heapq
+    import json as json_module
+
+    work = tmp_path_factory.mktemp("eval-texts")
+    (work / "store.txt").write_text(inspect.getdoc(json_module) + "\n\n" + inspect.getdoc(heapq))
+    (work / "heldout.txt").write_text(inspect.getdoc(heapq)[:1500] + "\n\n" + inspect.getdoc(inspect)[:1500])
+    return work
+
+
+@pytest.fixture(scope="module")
+def datastores(texts, tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval-datastores")
+    build = BuildConfig(context_length=128, stride=64, keep_keys=True)
+    build_datastore([texts / "store.txt"], out / "flat", tiny_model_dir, build.model_copy(update={"index": "flat"}), progress=False)
+    build_datastore([texts / "store.txt"], out / "ivf", tiny_model_dir, build.model_copy(update={"index": "IVF4,PQ8"}), progress=False)
+    return {"flat": out / "flat", "ivf": out / "ivf"}
+
+
+@pytest.fixture(scope="module")
+def run(texts, datastores, tiny_model_dir):
+    return evaluate([texts / "heldout.txt"], datastores, tiny_model_dir, CONFIG)
+
+
+@pytest.mark.slow
+def test_base_perplexity_equals_transformers(run, texts, tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    text = load_eval_text([texts / "heldout.txt"], tiny_model_dir, CONFIG)
+    log_probs = []
+    with torch.no_grad():
+        for f, k0, k1 in text.plan.windows:
+            ids = torch.from_numpy(text.tokens[f : k1 + 1].astype(np.int64))[None]
+            logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+            rows = torch.arange(k0 - f, k1 - f)
+            log_probs.append(logp[rows, ids[0, rows + 1]].numpy())
+    nll = -np.concatenate(log_probs).astype(np.float64)
+    np.testing.assert_allclose(run.arrays["log_p_lm"], -nll, atol=1e-3)
+    tune = run.arrays["tune"]
+    np.testing.assert_allclose(run.summary["base"]["report_ppl"], np.exp(nll[~tune].mean()), rtol=1e-3)
+    np.testing.assert_allclose(run.summary["base"]["tune_ppl"], np.exp(nll[tune].mean()), rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_knn_perplexity_through_vllm_equals_numpy_from_the_same_neighbours(run, texts, datastores, tiny_model_dir):
+    served = run.summary["served"]
+    k, tau, lam = served["k"], served["temperature"], served["lambda"]
+    assert lam > 0 and served["variant"].startswith("flat")
+    text = load_eval_text([texts / "heldout.txt"], tiny_model_dir, CONFIG)
+    # The plugin's queries (ffn_input of the same windows), searched directly in the datastore's shards.
+    encoder = KeyEncoder(tiny_model_dir, "ffn_input", "float32")
+    keys = np.concatenate([v[k0 - f : k1 - f] for (f, k0, k1), v in
+                           zip(text.plan.windows, encoder.encode([text.tokens[f:k1] for f, _, k1 in text.plan.windows]))])
+    root = datastores["flat"]
+    distances, tokens = merge_topk([s.search(keys, k, None) for s in open_shards(root, read_manifest(root))], k)
+    weights = np.exp(-(distances - distances[:, :1]) / tau)
+    p_knn = (weights * (tokens == text.targets[:, None])).sum(1) / weights.sum(1)
+    p = lam * p_knn + (1 - lam) * np.exp(run.arrays["log_p_lm"])
+    tune = text.tune
+    np.testing.assert_allclose(served["vllm_report_ppl"], np.exp(-np.log(p[~tune]).mean()), rtol=1e-3)
+    np.testing.assert_allclose(served["vllm_tune_ppl"], np.exp(-np.log(p[tune]).mean()), rtol=1e-3)
+    np.testing.assert_allclose(run.arrays["log_p_knnlm_vllm"], np.log(p), atol=1e-3)
+    # Retrieval from a store holding half the held-out text helps a random model a lot.
+    assert served["vllm_report_ppl"] < 0.5 * run.summary["base"]["report_ppl"]
+
+
+@pytest.mark.slow
+def test_sweep_tunes_on_the_tuning_part_only_and_writes_the_report(run, tmp_path):
+    for variant in run.summary["variants"]:
+        grid, best = variant["grid"], variant["best"]
+        tune_ppl = np.array(grid["tune_ppl"], dtype=float)
+        assert best["tune_ppl"] == pytest.approx(np.nanmin(tune_ppl), rel=1e-4)
+        a, b, c = grid["k"].index(best["k"]), grid["temperature"].index(best["temperature"]), grid["lambda"].index(best["lambda"])
+        assert best["report_ppl"] == pytest.approx(grid["report_ppl"][a][b][c], rel=1e-4)
+    labels = [v["label"] for v in run.summary["variants"]]
+    assert any("exact" in x for x in labels) and any("50%" in x for x in labels) and any("IVF4,PQ8" in x for x in labels)
+    exact = next(v for v in run.summary["variants"] if v["index"] == "exact")
+    flat = run.summary["variants"][0]
+    assert exact["best"]["report_ppl"] == pytest.approx(flat["best"]["report_ppl"], rel=1e-3)  # same keys, exact search
+    adaptive = run.summary["adaptive"]
+    assert adaptive["lambda_max"] in CONFIG.lambdas and np.isfinite(adaptive["report_ppl"])
+    written = write_report(run, tmp_path, per_token=True)
+    assert {p.name for p in written} >= {"results.json", "results.md", "ppl_vs_lambda.png", "ppl_vs_temperature.png",
+                                         "ppl_vs_fraction.png", "variants.png", "tokens.npz"}
+    assert json.loads((tmp_path / "results.json").read_text())["text"]["report_tokens"] == int((~run.arrays["tune"]).sum())
+    assert "served through vLLM" in (tmp_path / "results.md").read_text()
+
+
+def eval_error(*argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        eval_main([str(a) for a in argv])
+    assert isinstance(e.value.code, str) and e.value.code.startswith("knnlm-eval: error: "), e.value.code
+    assert "\n" not in e.value.code
+    return e.value.code
+
+
+def test_empty_text_is_refused(datastores, tiny_model_dir, tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n\n")
+    assert "is empty" in eval_error(tmp_path / "empty.txt", "--datastore", f"d={datastores['flat']}", "--model", tiny_model_dir)
+
+
+def test_text_shorter_than_one_window_is_refused(datastores, tiny_model_dir, tmp_path):
+    (tmp_path / "short.txt").write_text("A short note of a few words.")
+    message = eval_error(tmp_path / "short.txt", "--datastore", f"d={datastores['flat']}", "--model", tiny_model_dir)
+    assert "fewer than one window" in message and "--context-length 512" in message
+
+
+def test_datastore_for_another_model_is_refused_with_exit_code_1(datastores, texts, tiny_model_dir, tmp_path):
+    other = make_tiny_llama(tmp_path / "other-model", tiny_model_dir, seed=1)
+    result = subprocess.run(
+        [sys.executable, "-m", "knnlm_serve.eval_cli", str(texts / "heldout.txt"), "--datastore", f"d={datastores['flat']}",
+         "--model", str(other), "--context-length", "128", "--stride", "64"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("knnlm-eval: error: datastore 'd'") and "was built for model" in last
