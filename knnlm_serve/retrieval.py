@@ -66,7 +66,11 @@ class LocalRetriever:
 class ShardActor:
     """A Ray actor holding one FAISS shard (GPU FAISS when the actor has a GPU)."""
 
-    def __init__(self, root: str, shard_name: str, use_gpu: bool | None):
+    def __init__(self, root: str, shard_name: str, use_gpu: bool | None, threads: int | None):
+        import faiss
+
+        # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; FAISS should use the node's cores.
+        faiss.omp_set_num_threads(threads or os.cpu_count())
         manifest = read_manifest(root)
         (shard,) = [s for s in manifest.shards if s.name == shard_name]
         self.searcher = ShardSearcher(Path(root), shard, use_gpu=use_gpu)
@@ -93,7 +97,7 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list:
         ray.remote(ShardActor).options(
             name=actor_name(info, shard), namespace=knn.ray_namespace, get_if_exists=True, max_restarts=-1,
             num_cpus=0, num_gpus=knn.gpu_fraction if use_gpu else 0,
-        ).remote(info.path, shard, use_gpu)
+        ).remote(info.path, shard, use_gpu, knn.shard_threads)
         for shard in info.shards
     ]
     ray.get([a.describe.remote() for a in actors])
