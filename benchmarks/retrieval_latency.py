@@ -7,12 +7,13 @@ so load from anything else on the machine hits both alike.
 
 The datastore is synthetic but in the real on-disk format (`read_manifest` accepts it): keys of
 dimension 576 (SmolLM2-135M's hidden size) from 4096 Gaussian clusters of uneven popularity and
-spread, so IVF lists are unevenly full as with real hidden states; values are uniform random
+spread with a power-law spectrum (see ClusteredVectors), so IVF lists are unevenly full about as
+with real hidden states; values are uniform random
 token ids below 49,152. It is built once per `--entries` as IVF-PQ with the project's
 `index_factory_string("ivfpq", entries, 576)` (IVF4096,PQ64 at 1M), trained once on
 `--train-sample` keys, the trained index cloned per shard as `knnlm-index build` does; the 1-shard
-and the 4-shard datastore hold the same entries (coarse assignment computed once, shared by
-both). Keys are generated chunk by chunk and never all held in memory. The build is cached under
+and the 4-shard datastore hold the same entries (each key encoded once, its codes added to both
+layouts). Keys are generated chunk by chunk and never all held in memory. The build is cached under
 `--workdir` and reused when its parameters match.
 
 Besides the end-to-end cells, batch 32 is broken down: per-shard FAISS search, `merge_topk`, and
@@ -48,7 +49,6 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network from a benchmark
 
 import faiss  # noqa: E402
-from faiss.contrib.ivf_tools import add_preassigned  # noqa: E402
 
 import knnlm_serve  # noqa: E402
 from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string, set_nprobe, train_index  # noqa: E402
@@ -72,7 +72,7 @@ K = 1024
 NPROBE = 32
 SHARD_COUNTS = (1, 4)
 CHUNK = 65_536
-GENERATOR = "clustered-v1"  # bump when ClusteredVectors changes, to invalidate cached builds
+GENERATOR = "clustered-v2"  # bump when ClusteredVectors changes, to invalidate cached builds
 
 
 def log(msg: str) -> None:
@@ -80,13 +80,22 @@ def log(msg: str) -> None:
 
 
 class ClusteredVectors:
-    """Gaussian clusters around N_CENTRES N(0, I) centres; cluster popularity lognormal(0, 1),
-    per-cluster noise std uniform(0.5, 1.0). Draws are reproducible per (stream, chunk)."""
+    """Gaussian clusters around N_CENTRES centres, with a power-law spectrum: dimension i of both
+    the centres and the noise is scaled by (1 + i)^-0.5, since LM hidden states are strongly
+    anisotropic. Cluster popularity lognormal(0, 1), per-cluster noise scale uniform(0.5, 1.0).
+    Draws are reproducible per (stream, chunk).
+
+    The spectrum matters: with isotropic clusters in 576 dimensions, k-means makes "hub"
+    centroids (imbalance factor ~10 at 1M entries, 20x the expected codes scanned per query);
+    with the decay the lists are about as even as on real keys (imbalance ~1.5-2)."""
+
+    DECAY = 0.5
 
     def __init__(self, seed: int, dim: int = DIM, n_centres: int = N_CENTRES):
         rng = np.random.default_rng([seed, 0])
         self.seed, self.dim = seed, dim
-        self.centres = rng.standard_normal((n_centres, dim), dtype=np.float32)
+        self.scale = ((1.0 + np.arange(dim)) ** -self.DECAY).astype(np.float32)
+        self.centres = rng.standard_normal((n_centres, dim), dtype=np.float32) * self.scale
         weights = rng.lognormal(0.0, 1.0, n_centres)
         self.p = weights / weights.sum()
         self.spread = rng.uniform(0.5, 1.0, n_centres).astype(np.float32)
@@ -95,6 +104,7 @@ class ClusteredVectors:
         rng = np.random.default_rng([self.seed, stream, chunk])
         labels = rng.choice(len(self.p), n, p=self.p)
         x = rng.standard_normal((n, self.dim), dtype=np.float32)
+        x *= self.scale
         x *= self.spread[labels, None]
         x += self.centres[labels]
         return x
@@ -317,25 +327,53 @@ def _cpu_model() -> str | None:
     return None
 
 
+class Retrievers:
+    """The project's two backends behind one call, `search(backend, name, queries, k, nprobe)`.
+
+    The slowest shard's in-actor search time is kept per Ray call, to split Ray's time into
+    search and transport."""
+
+    def __init__(self, runtime):
+        from knnlm_serve import retrieval as r
+
+        self.runtime = runtime
+        # Keep the handles: named actors without a live handle are garbage-collected.
+        self.actors = [a for info in runtime.datastores.values() for a in r.start_shard_actors(info, runtime.knn)]
+        self.backends = {"local": r.LocalRetriever(runtime.knn), "ray": r.RayRetriever(runtime.knn, runtime.ray_address)}
+        self.slowest_shard_s: list[float] = []
+
+    def search(self, backend: str, name: str, queries: np.ndarray, k: int, nprobe: int):
+        result = self.backends[backend].search(self.runtime.datastores[name], queries, k, nprobe)
+        if result.failed_shards:
+            raise RuntimeError(f"{backend} search of {name}: shards failed: {result.failed_shards}")
+        if backend == "ray":
+            self.slowest_shard_s.append(max(result.shard_seconds.values()))
+        return result
+
+    def caller(self, backend: str):
+        return lambda *a: self.search(backend, *a)
+
+
 def measure(args, record: dict, final: Path) -> dict:
     import ray
     import torch
 
     from knnlm_serve.config import KnnConfig
     from knnlm_serve.interpolate import interpolate
-    from knnlm_serve.retrieval import LocalRetriever, RayRetriever, start_shard_actors
     from knnlm_serve.runtime import DatastoreInfo, Runtime
-    from knnlm_serve.shard import merge_topk
+    from knnlm_serve.shard import ShardSearcher, merge_topk
 
     gen = ClusteredVectors(args.seed)
     pool = QueryPool(gen)
     names = {n: f"shards{n}" for n in SHARD_COUNTS}
-    infos = {}
+    infos, manifests = {}, {}
     for n in SHARD_COUNTS:
         path = final / f"shards-{n}"
-        m = read_manifest(path)
+        m = manifests[n] = read_manifest(path)
         infos[names[n]] = DatastoreInfo(name=names[n], path=str(path), key_type=m.key_type, nprobe=m.index.nprobe,
-                                        entries=m.entries, shards=[s.name for s in m.shards])
+                                        entries=m.entries, shards=[s.name for s in m.shards], index=m.index.factory,
+                                        fingerprint=m.model.fingerprint,
+                                        bytes=sum(f.bytes for s in m.shards for f in (s.index, s.values)))
     namespace = f"knnlm-bench-{os.getpid()}"
     log("ray: init ...")
     t0 = time.monotonic()
@@ -345,26 +383,26 @@ def measure(args, record: dict, final: Path) -> dict:
         knn = KnnConfig(datastores={k: v.path for k, v in infos.items()}, backend="ray", ray_namespace=namespace,
                         k=K, max_k=max(K, 2048), nprobe=NPROBE, gpu=False)
         runtime = Runtime(knn=knn, datastores=infos, ray_address=ray.get_runtime_context().gcs_address)
-        log(f"ray: up in {ray_init_s:.1f} s; starting {sum(SHARD_COUNTS)} shard actors ...")
+        log(f"ray: up in {ray_init_s:.1f} s; starting {sum(SHARD_COUNTS)} shard actors, loading local shards ...")
         t0 = time.monotonic()
-        actors = start_shard_actors(runtime)  # keep the handles: unreferenced named actors are collected
-        actors_s = time.monotonic() - t0
-        ray_retriever = RayRetriever(runtime)
-        log(f"ray: actors loaded in {actors_s:.1f} s; loading local shards ...")
-        t0 = time.monotonic()
-        local = LocalRetriever(runtime)
-        local_load_s = time.monotonic() - t0
+        retrievers = Retrievers(runtime)
+        for name in infos:  # LocalRetriever opens shards on first use
+            retrievers.search("local", name, pool.next(1), K, NPROBE)
+        load_s = time.monotonic() - t0
         worker_threads = probe_ray_worker_threads()
-        log(f"local: loaded in {local_load_s:.1f} s; ray workers see {worker_threads}")
-        backends = {"local": local, "ray": ray_retriever}
+        log(f"ray + local: loaded in {load_s:.1f} s; ray workers see {worker_threads}")
 
         cells = []
         for n in SHARD_COUNTS:
             for batch, repeats in zip(args.batch_sizes, args.repeats):
                 cell = {"shards": n, "batch": batch, "k": K, "nprobe": NPROBE}
-                for backend, retriever in backends.items():
-                    samples = timed(retriever.search, lambda: (names[n], pool.next(batch), K, NPROBE), args.warmup, repeats)
+                for backend in ("local", "ray"):
+                    retrievers.slowest_shard_s.clear()
+                    samples = timed(retrievers.caller(backend), lambda: (names[n], pool.next(batch), K, NPROBE), args.warmup, repeats)
                     cell[backend] = stats_ms(samples, batch)
+                    if backend == "ray" and retrievers.slowest_shard_s:
+                        in_actor = np.asarray(retrievers.slowest_shard_s[-repeats:]) * 1e3
+                        cell["ray"]["slowest_shard_search_p50_ms"] = round(float(np.percentile(in_actor, 50)), 3)
                 cell["ray_overhead_p50_ms"] = round(cell["ray"]["p50_ms"] - cell["local"]["p50_ms"], 3)
                 cell["ray_overhead_mean_ms"] = round(cell["ray"]["mean_ms"] - cell["local"]["mean_ms"], 3)
                 log(f"cell shards={n} batch={batch}: local p50 {cell['local']['p50_ms']:.2f} ms, "
@@ -375,8 +413,9 @@ def measure(args, record: dict, final: Path) -> dict:
         bb = args.breakdown_batch
         reps = args.breakdown_repeats
         breakdown = {"batch": bb, "k": K, "nprobe": NPROBE}
-        for n in SHARD_COUNTS:
-            shards = local.shards[names[n]]
+        for n in SHARD_COUNTS:  # own searchers: the retrievers' are internal to them
+            root = Path(infos[names[n]].path)
+            shards = [ShardSearcher(root, s, use_gpu=False) for s in manifests[n].shards]
             per_shard = []
             for sh in shards:
                 per_shard.append(stats_ms(timed(sh.search, lambda: (pool.next(bb), K, NPROBE), 2, reps), bb))
@@ -399,9 +438,9 @@ def measure(args, record: dict, final: Path) -> dict:
         breakdown["interpolate"]["vocab"] = VOCAB
         log(f"breakdown batch {bb}: merge(4 shards) p50 {breakdown['shards4']['merge_topk']['p50_ms']:.2f} ms, "
             f"interpolate p50 {breakdown['interpolate']['p50_ms']:.2f} ms")
-        setup = {"ray_init_s": round(ray_init_s, 2), "ray_actors_load_s": round(actors_s, 2),
-                 "local_load_s": round(local_load_s, 2), "ray_worker_threads": worker_threads}
-        del actors
+        setup = {"ray_init_s": round(ray_init_s, 2), "actors_and_local_load_s": round(load_s, 2),
+                 "ray_worker_threads": worker_threads}
+        del retrievers
         return {"cells": cells, "breakdown": breakdown, "setup": setup}
     finally:
         ray.shutdown()
@@ -416,14 +455,16 @@ def markdown(report: dict) -> str:
         f"Retrieval per decode step, {report['build']['params']['entries']:,} entries, "
         f"{report['build']['params']['factory']}, k={K}, nprobe={NPROBE}, {report['machine']['cpu_count']} CPUs (ms)",
         "",
-        "| shards | batch | local p50 | local p99 | local mean | local q/s | ray p50 | ray p99 | ray mean | ray q/s | ray − local p50 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shards | batch | local p50 | local p99 | local mean | local q/s | ray p50 | ray p99 | ray mean | ray q/s "
+        "| ray − local p50 | ray: slowest shard's own search p50 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in report["cells"]:
         lo, ra = c["local"], c["ray"]
         lines.append(f"| {c['shards']} | {c['batch']} | {lo['p50_ms']:.2f} | {lo['p99_ms']:.2f} | {lo['mean_ms']:.2f} | "
                      f"{lo['queries_per_s']:.0f} | {ra['p50_ms']:.2f} | {ra['p99_ms']:.2f} | {ra['mean_ms']:.2f} | "
-                     f"{ra['queries_per_s']:.0f} | {c['ray_overhead_p50_ms']:+.2f} |")
+                     f"{ra['queries_per_s']:.0f} | {c['ray_overhead_p50_ms']:+.2f} | "
+                     + (f"{ra['slowest_shard_search_p50_ms']:.2f} |" if "slowest_shard_search_p50_ms" in ra else "– |"))
     b = report["breakdown"]
     lines += ["", f"Batch {b['batch']} breakdown (p50 ms)", "",
               "| shards | FAISS search per shard | sum over shards | codes scanned/query | merge_topk | interpolate (vocab 49,152) |",

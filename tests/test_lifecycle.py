@@ -113,6 +113,8 @@ def test_admin_needs_the_admin_token(server):
     assert admin(server, "GET", "/datastores", token="wrong").status_code == 401
     listing = admin(server, "GET", "/datastores").json()
     assert listing["default"] == "main" and listing["datastores"][0]["status"] == "serving"
+    paths = requests.get(f"{server.base_url}/openapi.json", timeout=30).json()["paths"]
+    assert {"/v1/knn/datastores", "/v1/knn/default", "/v1/knn/health"} <= set(paths)
 
 
 @pytest.mark.parametrize(
