@@ -1,0 +1,319 @@
+"""Load test: what kNN augmentation costs in throughput and latency, and whether the server holds up.
+
+Traffic and percentiles come from vLLM's own serving benchmark (`vllm.benchmarks.serve`:
+closed-loop concurrency, Poisson open loop, streaming, TTFT/ITL/E2E percentiles). What it cannot
+do is written here: starting the kNN server, the per-request kNN switch interleaved at each load
+level, scraping the server's Prometheus counters around each run (and checking the report against
+them), hot-swap and shard-kill events in the middle of a run, and the plots.
+
+    python loadtest/run.py                          # standard scenario, starts its own server
+    python loadtest/run.py --base-url http://host:8000 --admin-token T   # target a running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WIKITEXT = ROOT.parent / "shared/data/wikitext-2/test.txt"
+PERCENTILES = "50,90,99"
+
+
+def prompts_file(path: Path, count: int, words: int) -> str:
+    """Prompts of `words` words from WikiText-2 test (if present) or the embedded default corpus."""
+    if WIKITEXT.exists():
+        text = WIKITEXT.read_text().replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
+        source = "wikitext-2 test"
+    else:
+        from knnlm_serve.default_datastore import stdlib_documents
+
+        text, source = "\n".join(stdlib_documents().values()), "python stdlib docs"
+    tokens = [w for w in text.split() if not w.startswith("=")]
+    with open(path, "w") as f:
+        for i in range(count):
+            start = (i * 7919 * words) % max(1, len(tokens) - words)
+            f.write(json.dumps({"prompt": " ".join(tokens[start : start + words])}) + "\n")
+    return source
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def metric_total(values: dict[str, float], pattern: str) -> float:
+    regex = re.compile(pattern)
+    return sum(v for k, v in values.items() if regex.match(k))
+
+
+def run_benchmark(base_url: str, model: str, tokenizer: str, dataset: str, *, concurrency: int | None, rate: float | None,
+                  num_prompts: int, output_len: int, knn: bool, result_dir: Path, label: str) -> dict:
+    """One `vllm bench serve` run in this process, with the server's counters scraped around it."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = [
+        "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
+        "--tokenizer", tokenizer,
+        "--dataset-name", "custom", "--dataset-path", dataset, "--skip-chat-template",
+        "--num-prompts", str(num_prompts), "--custom-output-len", str(output_len), "--ignore-eos",
+        "--temperature", "0", "--extra-body", json.dumps({"vllm_xargs": {"knn": knn}}),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
+        "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{label}.json",
+        "--request-rate", str(rate) if rate else "inf", "--disable-tqdm",
+    ]
+    if concurrency:
+        argv += ["--max-concurrency", str(concurrency)]
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    before = scrape(base_url)
+    result = main(args)
+    after = scrape(base_url)
+
+    def delta(pattern: str) -> float:
+        return metric_total(after, pattern) - metric_total(before, pattern)
+
+    server = {
+        "requests": delta(r"vllm:request_success_total"),
+        "output_tokens": delta(r"vllm:generation_tokens_total"),
+        "knn_steps": delta(r"knnlm_retrieval_steps_total"),
+        "knn_retrieval_seconds": delta(r"knnlm_retrieval_seconds_sum"),
+        "knn_fallbacks": delta(r"knnlm_fallbacks_total"),
+    }
+    server["retrieval_share_of_wall"] = server["knn_retrieval_seconds"] / result["duration"]
+    server["requests_match_1pct"] = abs(server["requests"] - result["completed"]) <= 0.01 * max(1, result["completed"])
+    server["tokens_match_1pct"] = abs(server["output_tokens"] - result["total_output_tokens"]) <= 0.01 * max(1, result["total_output_tokens"])
+    keep = {k: v for k, v in result.items() if not isinstance(v, list)}
+    return {**keep, "label": label, "knn": knn, "concurrency": concurrency, "rate": rate, "server": server}
+
+
+def admin(base_url: str, token: str, method: str, route: str, body: dict | None = None) -> dict:
+    request = urllib.request.Request(f"{base_url}/v1/knn{route}", method=method, headers={
+        "X-Admin-Token": token, "Content-Type": "application/json"}, data=json.dumps(body).encode() if body else None)
+    return json.loads(urllib.request.urlopen(request, timeout=300).read())
+
+
+def during(delay_s: float, action, record: dict) -> threading.Thread:
+    """Run `action` once, `delay_s` into the next run (hot-swap / shard-kill); note what happened."""
+    def fire():
+        time.sleep(delay_s)
+        start = time.monotonic()
+        try:
+            action()
+            record.update(ok=True)
+        except Exception as e:  # noqa: BLE001 - reported, not raised: the run goes on
+            record.update(ok=False, error=repr(e))
+        record.update(at_s=delay_s, took_s=round(time.monotonic() - start, 2))
+    thread = threading.Thread(target=fire, daemon=True)
+    thread.start()
+    return thread
+
+
+def kill_one_shard(base_url: str, token: str) -> None:
+    import ray
+
+    health = admin(base_url, token, "GET", "/health")
+    actor = health["shards"][0]["actor"]
+    ray.init(address="auto", namespace="knnlm", log_to_driver=False)
+    try:
+        ray.kill(ray.get_actor(actor), no_restart=False)
+    finally:
+        ray.shutdown()
+
+
+def swap_root(config: Path, swap_to: str) -> Path:
+    """The datastore root the started server needs so the mid-run hot-swap is allowed."""
+    import yaml
+
+    from knnlm_serve.model import cache_dir
+
+    if swap_to not in ("default", "none"):
+        return Path(swap_to).resolve().parent
+    knn = yaml.safe_load(config.read_text()).get("knn", {})
+    name = knn.get("default_datastore") or next(iter(knn.get("datastores", {})), None)
+    path = knn.get("datastores", {}).get(name, "default")
+    return cache_dir() / "datastores" if path == "default" else Path(path).resolve().parent
+
+
+@contextlib.contextmanager
+def started_server(config: Path, port: int, admin_token: str, datastore_root: Path, log_dir: Path):
+    import yaml
+
+    settings = yaml.safe_load(config.read_text())
+    settings["port"] = port
+    # Off and on runs replay the same prompts: without this the second run would hit the prefix cache.
+    settings["vllm_args"] = [*settings.get("vllm_args", []), "--no-enable-prefix-caching"]
+    settings.setdefault("knn", {}).update(admin_token=admin_token, datastore_root=str(datastore_root))
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(settings, f)
+    log = open(log_dir / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "knnlm_serve.cli", "--config", f.name],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(900):
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited; see {log.name}")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"{base_url}/v1/models", timeout=2)
+                break
+            time.sleep(1)
+        from knnlm_serve.model import resolve_model
+
+        yield base_url, settings.get("served_model_name") or "default", str(resolve_model(settings.get("model", "default")))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        proc.wait(timeout=60)
+
+
+def plots(runs: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    closed = [r for r in runs if r["concurrency"] and "event" not in r]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for knn in (False, True):
+        points = sorted((r["concurrency"], r["output_throughput"]) for r in closed if r["knn"] == knn)
+        ax.plot(*zip(*points), marker="o", label=f"kNN {'on' if knn else 'off'}")
+    ax.set(xscale="log", xlabel="concurrency", ylabel="output tokens/s", title="Throughput (CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput_vs_concurrency.png", dpi=120)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric in zip(axes, ("itl", "e2el")):
+        for knn in (False, True):
+            for p, style in (("50", "-"), ("99", "--")):
+                points = sorted((r["concurrency"], r[f"p{p}_{metric}_ms"]) for r in closed if r["knn"] == knn)
+                ax.plot(*zip(*points), style, marker="o", label=f"p{p} kNN {'on' if knn else 'off'}")
+        ax.set(xscale="log", xlabel="concurrency", ylabel="ms", title={"itl": "inter-token latency", "e2el": "end-to-end latency"}[metric])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "latency_vs_concurrency.png", dpi=120)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# Load test ({report['created']}, {report['machine']})", "",
+             f"Server: {report['server']}; prompts: {report['prompt_source']}, {report['prompt_words']} words, "
+             f"{report['output_len']} output tokens, streaming.", "",
+             "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | retrieval share | server counters match |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in report["runs"]:
+        s = r["server"]
+        label = r["label"] + (f" ({r['event']['event']} at {r['event']['at_s']:g} s: {'ok' if r['event'].get('ok') else r['event'].get('error')})" if "event" in r else "")
+        lines.append(
+            f"| {label} | {'on' if r['knn'] else 'off'} | {r['concurrency'] or '-'} | {r['rate'] or '-'} | "
+            f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {r['p50_ttft_ms']:.0f}/{r['p99_ttft_ms']:.0f} | "
+            f"{r['p50_itl_ms']:.0f}/{r['p99_itl_ms']:.0f} | {r['p50_e2el_ms']:.0f}/{r['p99_e2el_ms']:.0f} | {r['failed']} | "
+            f"{s['retrieval_share_of_wall']:.1%} | {'yes' if s['requests_match_1pct'] and s['tokens_match_1pct'] else 'NO'} |")
+    lines += ["", "| concurrency | throughput on/off | ITL p50 on/off | E2E p99 on/off |", "|---:|---:|---:|---:|"]
+    for c, ratio in report["on_off_ratios"].items():
+        lines.append(f"| {c} | {ratio['throughput']:.3f} | {ratio['p50_itl']:.3f} | {ratio['p99_e2el']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never ask a hub
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs/default.yaml", help="server config to start")
+    parser.add_argument("--base-url", help="target this running server instead of starting one")
+    parser.add_argument("--model", help="served model name (with --base-url)")
+    parser.add_argument("--tokenizer", help="the served model's directory (with --base-url)")
+    parser.add_argument("--admin-token", default="loadtest-admin", help="for the swap/kill events")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--rate", type=float, default=2.0, help="Poisson open-loop request rate (req/s); 0 = skip")
+    parser.add_argument("--prompts-per-level", type=int, default=2, help="requests per run = this x concurrency (min 8)")
+    parser.add_argument("--prompt-words", type=int, default=96)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--swap-to", default="default",
+                        help="datastore directory to hot-swap the default name to mid-run; 'default' = a new version "
+                             "of the serving one; 'none' = no swap")
+    parser.add_argument("--no-kill-shard", dest="kill_shard", action="store_false",
+                        help="skip killing one shard actor in the middle of a run")
+    parser.add_argument("--out", type=Path, default=ROOT / "loadtest/results")
+    args = parser.parse_args()
+
+    out = args.out / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    (out / "runs").mkdir(parents=True)
+    dataset = str(Path(tempfile.mkdtemp(prefix="knnlm-loadtest-")) / "prompts.jsonl")  # corpus text stays out of the repo
+    count = max(8, args.prompts_per_level * max(args.concurrency)) * 2
+    source = prompts_file(Path(dataset), count, args.prompt_words)
+
+    with contextlib.ExitStack() as stack:
+        if args.base_url:
+            base_url, model, tokenizer = args.base_url, args.model, args.tokenizer
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            print(f"loadtest: starting knnlm-serve ({args.config}) on port {port} ...", flush=True)
+            root = swap_root(args.config, args.swap_to)
+            base_url, model, tokenizer = stack.enter_context(started_server(args.config, port, args.admin_token, root, out))
+        runs = []
+
+        def run(label, knn, concurrency=None, rate=None, prompts=None):
+            n = prompts or max(8, args.prompts_per_level * (concurrency or 8))
+            print(f"loadtest: {label}: kNN {'on' if knn else 'off'}, concurrency {concurrency}, rate {rate}, {n} requests", flush=True)
+            runs.append(run_benchmark(base_url, model, tokenizer, dataset, concurrency=concurrency, rate=rate, num_prompts=n,
+                                      output_len=args.output_len, knn=knn, result_dir=out / "runs", label=label))
+
+        for c in args.concurrency:  # off and on back to back at each level: machine noise hits both
+            for knn in (False, True):
+                run(f"c{c}-{'on' if knn else 'off'}", knn, concurrency=c)
+        if args.rate:
+            for knn in (False, True):
+                run(f"poisson{args.rate:g}-{'on' if knn else 'off'}", knn, rate=args.rate, prompts=16)
+        c = max(args.concurrency)
+        events = []
+        if args.swap_to != "none":
+            listing = admin(base_url, args.admin_token, "GET", "/datastores")
+            name = listing["default"]
+            target = next(d["path"] for d in listing["datastores"] if d["name"] == name) if args.swap_to == "default" else args.swap_to
+            events.append(({"event": "hot-swap", "to": target}, lambda: admin(
+                base_url, args.admin_token, "POST", "/datastores", {"name": name, "path": str(Path(target).resolve())})))
+        if args.kill_shard:
+            events.append(({"event": "shard-kill"}, lambda: kill_one_shard(base_url, args.admin_token)))
+        for record, action in events:
+            thread = during(1.0, action, record)
+            run(f"{record['event']}-c{c}", True, concurrency=c, prompts=4 * c)
+            thread.join()
+            runs[-1]["event"] = record
+
+    ratios = {}
+    for c in args.concurrency:
+        on, off = (next(r for r in runs if r["label"] == f"c{c}-{m}") for m in ("on", "off"))
+        ratios[c] = {"throughput": on["output_throughput"] / off["output_throughput"],
+                     "p50_itl": on["p50_itl_ms"] / off["p50_itl_ms"], "p99_e2el": on["p99_e2el_ms"] / off["p99_e2el_ms"]}
+    report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": f"{os.cpu_count()} CPU cores, no GPU",
+              "server": args.base_url or str(args.config), "prompt_source": source, "prompt_words": args.prompt_words,
+              "output_len": args.output_len, "runs": runs, "on_off_ratios": ratios}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    plots(runs, out)
+    print(markdown(report))
+    print(f"loadtest: report in {out}")
+
+
+if __name__ == "__main__":
+    main()
