@@ -116,8 +116,10 @@ KEYS_STREAM, QUERY_STREAM = 1, 2  # queries are held out: another random stream,
 # ----------------------------------------------------------------------------------------- build
 
 
-def build_params(entries: int, train_sample: int, seed: int, factory: str | None, build_threads: int) -> dict:
+def build_params(entries: int, train_sample: int, seed: int, factory: str | None, build_threads: int,
+                 model: dict | None = None) -> dict:
     return {
+        "model": model or {"name": "synthetic", "fingerprint": "synthetic"},
         "generator": GENERATOR, "entries": entries, "dim": DIM, "centres": N_CENTRES, "vocab": VOCAB,
         "train_sample": min(train_sample, entries), "seed": seed, "chunk": CHUNK,
         "factory": factory or index_factory_string("ivfpq", entries, DIM), "shard_counts": list(SHARD_COUNTS),
@@ -126,9 +128,9 @@ def build_params(entries: int, train_sample: int, seed: int, factory: str | None
 
 
 def ensure_datastores(workdir: Path, entries: int, train_sample: int, seed: int, rebuild: bool,
-                      factory: str | None = None, build_threads: int = 1) -> dict:
+                      factory: str | None = None, build_threads: int = 1, model: dict | None = None) -> dict:
     """Build (or reuse) `<workdir>/synthetic-<entries>/shards-{1,4}`; return the build record."""
-    params = build_params(entries, train_sample, seed, factory, build_threads)
+    params = build_params(entries, train_sample, seed, factory, build_threads, model)
     final = workdir / f"synthetic-{entries}"
     record_file = final / "build.json"
     if final.exists() and not rebuild:
@@ -218,7 +220,7 @@ def _build(work: Path, params: dict) -> dict:
             shards.append(ShardEntry(name=shard_dir.name, entries=hi - lo, index=file_entry(root, shard_dir / "index.faiss"),
                                      values=file_entry(root, shard_dir / "values.npy")))
         manifest = Manifest(
-            model=ModelIdentity(name="synthetic", fingerprint="synthetic", hidden_size=DIM, vocab_size=VOCAB, dtype="float32"),
+            model=ModelIdentity(**params["model"], hidden_size=DIM, vocab_size=VOCAB, dtype="float32"),
             key_type="ffn_input",
             dim=DIM,
             index=IndexSpec(factory=factory, nprobe=DEFAULT_NPROBE, train_size=n_train),
@@ -494,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/knnlm-bench"), help="datastore cache (default: %(default)s)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the datastore even if a matching one is cached")
     p.add_argument("--output", type=Path, default=RESULTS, help="JSON results file (default: %(default)s)")
+    p.add_argument("--model-dir", type=Path,
+                   help="stamp this model's identity on the synthetic datastores so a server of it accepts them "
+                        "(loadtest scenarios); its hidden size must be 576")
+    p.add_argument("--build-only", action="store_true", help="build (or reuse) the datastores, measure nothing")
     args = p.parse_args(argv)
     if len(args.repeats) == 1:
         args.repeats = args.repeats * len(args.batch_sizes)
@@ -505,9 +511,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     load_before = os.getloadavg()
     args.workdir.mkdir(parents=True, exist_ok=True)
+    model = None
+    if args.model_dir:
+        from knnlm_serve.model import model_fingerprint
+        from knnlm_serve.runtime import hidden_size_of
+
+        if hidden_size_of(args.model_dir) != DIM:
+            p.error(f"--model-dir {args.model_dir} has hidden size {hidden_size_of(args.model_dir)}, not {DIM}")
+        model = {"name": args.model_dir.name, "fingerprint": model_fingerprint(args.model_dir)}
     record = ensure_datastores(args.workdir, args.entries, args.train_sample, args.seed, args.rebuild,
-                               args.factory, args.build_threads)
+                               args.factory, args.build_threads, model)
     final = args.workdir / f"synthetic-{args.entries}"
+    if args.build_only:
+        print(json.dumps({"datastores": [str(final / f"shards-{n}") for n in SHARD_COUNTS], "build": record}, indent=2))
+        return 0
     results = measure(args, record, final)
     report = {
         "benchmark": "retrieval_latency",

@@ -16,6 +16,10 @@ RETRIEVAL_SECONDS = Histogram(
     "knnlm_retrieval_seconds", "one step's retrieval for one datastore: fan-out, search, merge", ["datastore"],
     buckets=_LATENCY_BUCKETS,
 )
+INTERPOLATION_SECONDS = Histogram(
+    "knnlm_interpolation_seconds", "one step's p_kNN scatter and log-space mix for one datastore", ["datastore"],
+    buckets=_LATENCY_BUCKETS,
+)
 SHARD_SEARCH_SECONDS = Histogram(
     "knnlm_shard_search_seconds", "search time inside one shard", ["datastore", "shard"], buckets=_LATENCY_BUCKETS
 )

@@ -65,7 +65,7 @@ def metric_total(values: dict[str, float], pattern: str) -> float:
 
 
 def run_benchmark(base_url: str, model: str, tokenizer: str, dataset: str, *, concurrency: int | None, rate: float | None,
-                  num_prompts: int, output_len: int, knn: bool, result_dir: Path, label: str) -> dict:
+                  num_prompts: int, output_len: int, xargs: dict, result_dir: Path, label: str) -> dict:
     """One `vllm bench serve` run in this process, with the server's counters scraped around it."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -75,7 +75,7 @@ def run_benchmark(base_url: str, model: str, tokenizer: str, dataset: str, *, co
         "--tokenizer", tokenizer,
         "--dataset-name", "custom", "--dataset-path", dataset, "--skip-chat-template",
         "--num-prompts", str(num_prompts), "--custom-output-len", str(output_len), "--ignore-eos",
-        "--temperature", "0", "--extra-body", json.dumps({"vllm_xargs": {"knn": knn}}),
+        "--temperature", "0", "--extra-body", json.dumps({"vllm_xargs": xargs}),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
         "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{label}.json",
         "--request-rate", str(rate) if rate else "inf", "--disable-tqdm",
@@ -97,13 +97,25 @@ def run_benchmark(base_url: str, model: str, tokenizer: str, dataset: str, *, co
         "output_tokens": delta(r"vllm:generation_tokens_total"),
         "knn_steps": delta(r"knnlm_retrieval_steps_total"),
         "knn_retrieval_seconds": delta(r"knnlm_retrieval_seconds_sum"),
+        "knn_shard_search_seconds": delta(r"knnlm_shard_search_seconds_sum"),
+        "knn_interpolation_seconds": delta(r"knnlm_interpolation_seconds_sum"),
         "knn_fallbacks": delta(r"knnlm_fallbacks_total"),
     }
-    server["retrieval_share_of_wall"] = server["knn_retrieval_seconds"] / result["duration"]
+    knn_seconds = server["knn_retrieval_seconds"] + server["knn_interpolation_seconds"]
+    server["retrieval_share_of_wall"] = knn_seconds / result["duration"]
+    # Where kNN time goes, per step: FAISS inside the shard actors (summed over shards), the rest of
+    # the fan-out (Ray transport, waiting, merge), and the p_kNN scatter + mix.
+    steps = max(server["knn_steps"], 1)
+    server["ms_per_step"] = {
+        "shard_search": 1e3 * server["knn_shard_search_seconds"] / steps,
+        "ray_and_merge": 1e3 * (server["knn_retrieval_seconds"] - server["knn_shard_search_seconds"]) / steps,
+        "interpolation": 1e3 * server["knn_interpolation_seconds"] / steps,
+    }
     server["requests_match_1pct"] = abs(server["requests"] - result["completed"]) <= 0.01 * max(1, result["completed"])
     server["tokens_match_1pct"] = abs(server["output_tokens"] - result["total_output_tokens"]) <= 0.01 * max(1, result["total_output_tokens"])
     keep = {k: v for k, v in result.items() if not isinstance(v, list)}
-    return {**keep, "label": label, "knn": knn, "concurrency": concurrency, "rate": rate, "server": server}
+    return {**keep, "label": label, "knn": xargs["knn"], "xargs": xargs, "concurrency": concurrency, "rate": rate,
+            "server": server}
 
 
 def admin(base_url: str, token: str, method: str, route: str, body: dict | None = None) -> dict:
@@ -155,14 +167,17 @@ def swap_root(config: Path, swap_to: str) -> Path:
 
 
 @contextlib.contextmanager
-def started_server(config: Path, port: int, admin_token: str, datastore_root: Path, log_dir: Path):
+def started_server(config: Path, port: int, admin_token: str, datastore_root: Path, log_dir: Path,
+                   extra_datastores: dict[str, str]):
     import yaml
 
     settings = yaml.safe_load(config.read_text())
     settings["port"] = port
     # Off and on runs replay the same prompts: without this the second run would hit the prefix cache.
     settings["vllm_args"] = [*settings.get("vllm_args", []), "--no-enable-prefix-caching"]
-    settings.setdefault("knn", {}).update(admin_token=admin_token, datastore_root=str(datastore_root))
+    knn = settings.setdefault("knn", {})
+    knn.update(admin_token=admin_token, datastore_root=str(datastore_root))
+    knn["datastores"] = {**knn.get("datastores", {}), **extra_datastores}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(settings, f)
     log = open(log_dir / "server.log", "w")
@@ -192,7 +207,7 @@ def plots(runs: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    closed = [r for r in runs if r["concurrency"] and "event" not in r]
+    closed = [r for r in runs if r["concurrency"] and "event" not in r and re.fullmatch(r"c\d+-(on|off)", r["label"])]
     fig, ax = plt.subplots(figsize=(6, 4))
     for knn in (False, True):
         points = sorted((r["concurrency"], r["output_throughput"]) for r in closed if r["knn"] == knn)
@@ -217,8 +232,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Load test ({report['created']}, {report['machine']})", "",
              f"Server: {report['server']}; prompts: {report['prompt_source']}, {report['prompt_words']} words, "
              f"{report['output_len']} output tokens, streaming.", "",
-             "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | retrieval share | server counters match |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | kNN share of wall | kNN ms/step: search / Ray+merge / mix | server counters match |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in report["runs"]:
         s = r["server"]
         label = r["label"] + (f" ({r['event']['event']} at {r['event']['at_s']:g} s: {'ok' if r['event'].get('ok') else r['event'].get('error')})" if "event" in r else "")
@@ -226,8 +241,10 @@ def markdown(report: dict) -> str:
             f"| {label} | {'on' if r['knn'] else 'off'} | {r['concurrency'] or '-'} | {r['rate'] or '-'} | "
             f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {r['p50_ttft_ms']:.0f}/{r['p99_ttft_ms']:.0f} | "
             f"{r['p50_itl_ms']:.0f}/{r['p99_itl_ms']:.0f} | {r['p50_e2el_ms']:.0f}/{r['p99_e2el_ms']:.0f} | {r['failed']} | "
-            f"{s['retrieval_share_of_wall']:.1%} | {'yes' if s['requests_match_1pct'] and s['tokens_match_1pct'] else 'NO'} |")
-    lines += ["", "| concurrency | throughput on/off | ITL p50 on/off | E2E p99 on/off |", "|---:|---:|---:|---:|"]
+            f"{s['retrieval_share_of_wall']:.1%} | "
+            + (" / ".join(f"{v:.1f}" for v in s["ms_per_step"].values()) if s["knn_steps"] else "-")
+            + f" | {'yes' if s['requests_match_1pct'] and s['tokens_match_1pct'] else 'NO'} |")
+    lines += ["", "| level | throughput on/off | ITL p50 on/off | E2E p99 on/off |", "|---:|---:|---:|---:|"]
     for c, ratio in report["on_off_ratios"].items():
         lines.append(f"| {c} | {ratio['throughput']:.3f} | {ratio['p50_itl']:.3f} | {ratio['p99_e2el']:.3f} |")
     return "\n".join(lines) + "\n"
@@ -251,9 +268,13 @@ def main() -> None:
                              "of the serving one; 'none' = no swap")
     parser.add_argument("--no-kill-shard", dest="kill_shard", action="store_false",
                         help="skip killing one shard actor in the middle of a run")
+    parser.add_argument("--datastore", action="append", default=[], metavar="NAME=PATH",
+                        help="also serve this datastore and run kNN-on at the top concurrency against it "
+                             "(shard-count and size scenarios); repeatable")
     parser.add_argument("--out", type=Path, default=ROOT / "loadtest/results")
     args = parser.parse_args()
 
+    extra = dict(item.split("=", 1) for item in args.datastore)
     out = args.out / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     (out / "runs").mkdir(parents=True)
     dataset = str(Path(tempfile.mkdtemp(prefix="knnlm-loadtest-")) / "prompts.jsonl")  # corpus text stays out of the repo
@@ -269,14 +290,15 @@ def main() -> None:
                 port = s.getsockname()[1]
             print(f"loadtest: starting knnlm-serve ({args.config}) on port {port} ...", flush=True)
             root = swap_root(args.config, args.swap_to)
-            base_url, model, tokenizer = stack.enter_context(started_server(args.config, port, args.admin_token, root, out))
+            base_url, model, tokenizer = stack.enter_context(started_server(args.config, port, args.admin_token, root, out, extra))
         runs = []
 
-        def run(label, knn, concurrency=None, rate=None, prompts=None):
+        def run(label, knn, concurrency=None, rate=None, prompts=None, datastore=None):
             n = prompts or max(8, args.prompts_per_level * (concurrency or 8))
-            print(f"loadtest: {label}: kNN {'on' if knn else 'off'}, concurrency {concurrency}, rate {rate}, {n} requests", flush=True)
+            xargs = {"knn": knn, **({"knn_datastore": datastore} if datastore else {})}
+            print(f"loadtest: {label}: {xargs}, concurrency {concurrency}, rate {rate}, {n} requests", flush=True)
             runs.append(run_benchmark(base_url, model, tokenizer, dataset, concurrency=concurrency, rate=rate, num_prompts=n,
-                                      output_len=args.output_len, knn=knn, result_dir=out / "runs", label=label))
+                                      output_len=args.output_len, xargs=xargs, result_dir=out / "runs", label=label))
 
         for c in args.concurrency:  # off and on back to back at each level: machine noise hits both
             for knn in (False, True):
@@ -285,6 +307,9 @@ def main() -> None:
             for knn in (False, True):
                 run(f"poisson{args.rate:g}-{'on' if knn else 'off'}", knn, rate=args.rate, prompts=16)
         c = max(args.concurrency)
+        for name in extra:  # each against an off run right before it
+            run(f"c{c}-off-before-{name}", False, concurrency=c)
+            run(f"c{c}-{name}", True, concurrency=c, datastore=name)
         events = []
         if args.swap_to != "none":
             listing = admin(base_url, args.admin_token, "GET", "/datastores")
@@ -305,6 +330,10 @@ def main() -> None:
         on, off = (next(r for r in runs if r["label"] == f"c{c}-{m}") for m in ("on", "off"))
         ratios[c] = {"throughput": on["output_throughput"] / off["output_throughput"],
                      "p50_itl": on["p50_itl_ms"] / off["p50_itl_ms"], "p99_e2el": on["p99_e2el_ms"] / off["p99_e2el_ms"]}
+    for name in extra:
+        on, off = (next(r for r in runs if r["label"] == f"c{c}-{m}") for m in (name, f"off-before-{name}"))
+        ratios[f"c{c} {name}"] = {"throughput": on["output_throughput"] / off["output_throughput"],
+                                  "p50_itl": on["p50_itl_ms"] / off["p50_itl_ms"], "p99_e2el": on["p99_e2el_ms"] / off["p99_e2el_ms"]}
     report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": f"{os.cpu_count()} CPU cores, no GPU",
               "server": args.base_url or str(args.config), "prompt_source": source, "prompt_words": args.prompt_words,
               "output_len": args.output_len, "runs": runs, "on_off_ratios": ratios}
