@@ -23,6 +23,10 @@ INTERPOLATION_SECONDS = Histogram(
 SHARD_SEARCH_SECONDS = Histogram(
     "knnlm_shard_search_seconds", "search time inside one shard", ["datastore", "shard"], buckets=_LATENCY_BUCKETS
 )
+SLOWEST_SHARD_SECONDS = Histogram(
+    "knnlm_slowest_shard_search_seconds", "per step, the search time of the slowest shard (the fan-out waits for it)",
+    ["datastore"], buckets=_LATENCY_BUCKETS,
+)
 QUERIES = Counter("knnlm_queries", "query vectors sent to a datastore", ["datastore"])
 NEIGHBOURS = Counter("knnlm_neighbours", "neighbours retrieved (k per query)", ["datastore"])
 FALLBACKS = Counter(

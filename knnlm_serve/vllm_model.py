@@ -118,6 +118,7 @@ class KnnLlamaForCausalLM(LlamaForCausalLM):
         metrics.NEIGHBOURS.labels(info.name).inc(int(ks.sum()))
         for shard, seconds in result.shard_seconds.items():
             metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
+        metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
         for reason in result.failed_shards.values():
             metrics.FALLBACKS.labels(info.name, reason).inc(len(group))
 
