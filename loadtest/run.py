@@ -258,7 +258,7 @@ def main() -> None:
     parser.add_argument("--model", help="served model name (with --base-url)")
     parser.add_argument("--tokenizer", help="the served model's directory (with --base-url)")
     parser.add_argument("--admin-token", default="loadtest-admin", help="for the swap/kill events")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson open-loop request rate (req/s); 0 = skip")
     parser.add_argument("--prompts-per-level", type=int, default=2, help="requests per run = this x concurrency (min 8)")
     parser.add_argument("--prompt-words", type=int, default=96)
