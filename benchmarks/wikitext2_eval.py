@@ -1,11 +1,13 @@
 """WikiText-2 reproduction of `knnlm-eval` (docs/RESULTS.md): does kNN-LM help SmolLM2 here?
 
-    .venv/bin/python benchmarks/wikitext2_eval.py        # ~30 min on 2 busy CPU cores
+    .venv/bin/python benchmarks/wikitext2_eval.py        # ~30 min on 2 CPU cores
 
-  * datastores: a prefix of WikiText-2 valid.txt (`--valid-chars`), keyed twice with the default
-    build settings except stride 448 (fewer re-encoded tokens): ffn_input keys in an IVF-PQ index
-    with `--keep-keys` (so the same keys are also searched exactly, flat L2), and final keys
-    (flat); the first datastore's random fractions give the size curve;
+  * main datastore: all of WikiText-2 valid.txt (or a prefix, `--valid-chars`) with the default
+    build settings (ffn_input keys, context 512, `auto` index = IVF-PQ above 100k entries) except
+    stride 448 (fewer re-encoded tokens) and `--keep-keys` (so the same keys are also searched
+    exactly, flat L2); its random fractions give the size curve;
+  * key types: ffn_input (IVF-PQ, kept keys, so also exact) and final (flat) datastores over a
+    shorter valid prefix (`--keytype-chars`), to keep the second build short;
   * eval text: a prefix of test.txt (`--test-chars`); its first 20% of scored tokens tune λ, τ, k
     and the adaptive λ, the remaining 80% are reported.
 
@@ -42,8 +44,9 @@ def ensure_datastore(corpus: Path, name: str, model_dir: Path, config: BuildConf
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--valid-chars", type=int, default=110_000, help="valid.txt prefix for the datastores (~28k tokens)")
-    parser.add_argument("--test-chars", type=int, default=60_000, help="test.txt prefix to evaluate (~15k tokens)")
+    parser.add_argument("--valid-chars", type=int, default=0, help="valid.txt prefix for the main datastore (0: all, ~270k tokens)")
+    parser.add_argument("--keytype-chars", type=int, default=110_000, help="valid.txt prefix for ffn_input vs final (~28k tokens)")
+    parser.add_argument("--test-chars", type=int, default=100_000, help="test.txt prefix to evaluate (~25k tokens)")
     parser.add_argument("--stride", type=int, default=448, help="builder and eval stride (context 512)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-wt2"), help="scratch directory for the un-escaped text")
     parser.add_argument("--out", type=Path, default=ROOT / "docs/results")
@@ -51,24 +54,28 @@ def main() -> None:
 
     model_dir = prepare_default_model()
     args.work.mkdir(parents=True, exist_ok=True)
-    valid = prepare_corpus(WIKITEXT / "valid.txt", args.valid_chars, args.work)
+    valid = prepare_corpus(WIKITEXT / "valid.txt", args.valid_chars or 10**9, args.work)
+    keytype_text = prepare_corpus(WIKITEXT / "valid.txt", args.keytype_chars, args.work)
     test = prepare_corpus(WIKITEXT / "test.txt", args.test_chars, args.work)
 
-    name = f"valid{args.valid_chars // 1000}k"
+    main_name = f"valid{args.valid_chars // 1000}k" if args.valid_chars else "valid"
+    small = f"valid{args.keytype_chars // 1000}k"
     build = BuildConfig(stride=args.stride)
+    kept = {"keep_keys": True}
     datastores = {
-        f"{name}-ffn_input": ensure_datastore(valid, f"wt2-{name}-ffn_input", model_dir, build.model_copy(update={"index": "ivfpq", "keep_keys": True})),
-        f"{name}-final": ensure_datastore(valid, f"wt2-{name}-final", model_dir, build.model_copy(update={"key_type": "final", "index": "flat"})),
+        f"{main_name}-ffn_input": ensure_datastore(valid, f"wt2-{main_name}-ffn_input", model_dir, build.model_copy(update=kept)),
+        f"{small}-ffn_input": ensure_datastore(keytype_text, f"wt2-{small}-ffn_input", model_dir, build.model_copy(update={**kept, "index": "ivfpq"})),
+        f"{small}-final": ensure_datastore(keytype_text, f"wt2-{small}-final", model_dir, build.model_copy(update={"key_type": "final", "index": "flat"})),
     }
 
     config = EvalConfig(
-        stride=args.stride, ks=(8, 32, 128, 512, 1024), temperatures=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+        stride=args.stride, ks=(8, 64, 256, 1024), temperatures=(0.5, 1, 2, 3, 5, 10, 20, 50, 100),
         nprobes=(4, 128), exact=True, fractions=(0.1, 0.3), tune_fraction=0.2,
     )
     run = evaluate([test], datastores, model_dir, config)
     run.summary["reproduction"] = {
         "command": "benchmarks/wikitext2_eval.py " + " ".join(sys.argv[1:]),
-        "valid_chars": args.valid_chars, "test_chars": args.test_chars,
+        "valid_chars": args.valid_chars, "keytype_chars": args.keytype_chars, "test_chars": args.test_chars,
         "datastores": {n: json.loads((p / MANIFEST).read_text())["corpus"] | {"path": str(p)} for n, p in datastores.items()},
     }
     write_report(run, args.out)
