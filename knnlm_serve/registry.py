@@ -40,7 +40,8 @@ class AdminError(Exception):
 class DatastoreRegistry:
     def __init__(self, knn: KnnConfig, model_dir: Path, hidden_size: int, runtime_file: Path, ray_address: str | None):
         self.model_dir, self.hidden_size, self.runtime_file = model_dir, hidden_size, runtime_file
-        self.runtime = Runtime(knn=knn.model_copy(update={"datastores": {}}), datastores={}, ray_address=ray_address)
+        empty = knn.model_copy(update={"datastores": {}, "default_datastore": None})  # filled by load()
+        self.runtime = Runtime(knn=empty, datastores={}, ray_address=ray_address)
         self._actors: dict[tuple[str, int], list] = {}
         self._retired: dict[tuple[str, int], tuple[DatastoreInfo, float]] = {}
         self._versions: dict[str, int] = {}
