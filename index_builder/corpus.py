@@ -9,7 +9,6 @@ import gzip
 import json
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
@@ -18,12 +17,6 @@ JSONL_SUFFIXES = (".jsonl",)
 
 class CorpusError(ValueError):
     """An input that cannot be read as asked; the message names the file and the fix."""
-
-
-@dataclass
-class CorpusFiles:
-    files: list[Path]
-    skipped: list[str] = field(default_factory=list)  # "path: reason", e.g. non-UTF-8 files
 
 
 def _suffix(path: Path) -> str:
