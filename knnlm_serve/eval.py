@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from index_builder.corpus import find_files, iter_documents
 from index_builder.encode import KeyEncoder, WindowPlan, plan_windows, window_values
 from knnlm_serve.config import KeyType, KnnConfig
-from knnlm_serve.datastore import DatastoreError, Manifest
+from knnlm_serve.datastore import Manifest
 from knnlm_serve.model import model_fingerprint
 from knnlm_serve.runtime import CONFIG_ENV, DatastoreInfo, Runtime, check_datastore, hidden_size_of
 from knnlm_serve.shard import _is_ivf, _pad, merge_topk, open_shards
@@ -44,7 +45,7 @@ class EvalConfig:
     context_length: int = 512
     stride: int = 256
     lambdas: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(21))
-    temperatures: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+    temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
     ks: tuple[int, ...] = (16, 64, 256, 1024)
     nprobes: tuple[int, ...] = ()  # IVF datastores: also search at these nprobe (default: the manifest's)
     exact: bool = False  # also search exactly (flat L2 over the kept keys; needs --keep-keys)
@@ -422,7 +423,9 @@ def write_report(run: EvalRun, out_dir: Path, per_token: bool = False) -> list[P
     """results.json, results.md, the plots, and optionally tokens.npz (per-token records)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "results.json", out_dir / "results.md"]
-    written[0].write_text(json.dumps(run.summary, indent=1))
+    # Indented, but each innermost list of numbers on one line: the grids stay readable and small.
+    text = re.sub(r"\[\s+([-+\d.,eEnul\s]+?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", json.dumps(run.summary, indent=1))
+    written[0].write_text(text)
     written[1].write_text(markdown_table(run.summary))
     written += plot_results(run.summary, out_dir)
     if per_token:
@@ -455,8 +458,8 @@ def plot_results(summary: dict, out_dir: Path) -> list[Path]:
         files.append(out_dir / name)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(grid["lambda"], np.array(grid["report_ppl"], dtype=float)[ki, ti], marker="o", ms=3, label=f"k={best['k']}, τ={best['temperature']:g}")
-    save(fig, ax, "ppl_vs_lambda.png", f"Perplexity vs λ ({main['label']})", "λ")
+    ax.plot(grid["lambda"], np.array(grid["report_ppl"], dtype=float)[ki, ti], marker="o", ms=3, label=f"{main['label']}\nk={best['k']}, τ={best['temperature']:g}")
+    save(fig, ax, "ppl_vs_lambda.png", "Perplexity vs λ", "λ")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for a, k in enumerate(grid["k"]):
@@ -472,10 +475,12 @@ def plot_results(summary: dict, out_dir: Path) -> list[Path]:
         ax.set_xscale("log")
         save(fig, ax, "ppl_vs_fraction.png", "Perplexity vs datastore size (random fractions)", "datastore entries")
 
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(variants) + 1.5))
-    ax.barh([v["label"] for v in variants], [v["best"]["report_ppl"] for v in variants])
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(variants) + 1.5))
+    bars = ax.barh([v["label"] for v in variants], [v["best"]["report_ppl"] for v in variants])
+    ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.invert_yaxis()
     ax.axvline(base, color="grey", ls="--", label="base LM")
-    ax.set(title="Tuned kNN-LM per datastore / index / size", xlabel="report perplexity")
+    ax.set(title="Tuned kNN-LM per datastore, index, key type, size", xlabel="report perplexity")
     ax.set_xlim(min(v["best"]["report_ppl"] for v in variants) * 0.97, base * 1.02)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -27,10 +27,9 @@ CONFIG = EvalConfig(context_length=128, stride=64, ks=(4, 16), temperatures=(1.0
 def texts(tmp_path_factory):
     """A datastore text, and an eval text that repeats part of it (so retrieval helps) plus new text."""
     import heapq
-    import json as json_module
 
     work = tmp_path_factory.mktemp("eval-texts")
-    (work / "store.txt").write_text(inspect.getdoc(json_module) + "\n\n" + inspect.getdoc(heapq))
+    (work / "store.txt").write_text(inspect.getdoc(json) + "\n\n" + inspect.getdoc(heapq))
     (work / "heldout.txt").write_text(inspect.getdoc(heapq)[:1500] + "\n\n" + inspect.getdoc(inspect)[:1500])
     return work
 
