@@ -29,7 +29,7 @@ from knnlm_serve.config import KeyType, KnnConfig
 from knnlm_serve.datastore import Manifest
 from knnlm_serve.model import model_fingerprint
 from knnlm_serve.runtime import CONFIG_ENV, DatastoreInfo, Runtime, check_datastore, hidden_size_of
-from knnlm_serve.shard import _is_ivf, _pad, merge_topk, open_shards
+from knnlm_serve.shard import merge_topk, open_shards, search_index
 
 SEARCH_BATCH = 2048
 
@@ -186,15 +186,6 @@ def plan_variants(manifests: dict[str, Manifest], config: EvalConfig) -> list[Va
         if n == 0:
             variants += [Variant(name, m.key_type, m.index.factory, m.index.nprobe, f) for f in config.fractions if f < 1]
     return variants
-
-
-def search_index(index, values: np.ndarray, queries: np.ndarray, k: int, nprobe: int | None, keep: np.ndarray | None):
-    """(distances, tokens) [n, k] like `ShardSearcher.search`, optionally only over entries `keep`."""
-    selector = faiss.IDSelectorBatch(np.flatnonzero(keep).astype(np.int64)) if keep is not None else None
-    params = faiss.SearchParametersIVF(nprobe=nprobe, sel=selector) if _is_ivf(index) else faiss.SearchParameters(sel=selector)
-    distances, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), min(k, index.ntotal), params=params)
-    tokens = np.where(ids >= 0, values[np.maximum(ids, 0)], -1).astype(np.int32)
-    return _pad(np.where(ids >= 0, distances, np.inf).astype(np.float32), tokens, k)
 
 
 def find_neighbours(root: Path, manifest: Manifest, variant: Variant, keys: np.ndarray, k: int, config: EvalConfig):

@@ -36,14 +36,28 @@ class ShardSearcher:
         self.dim = index.d
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        queries = np.ascontiguousarray(queries, dtype=np.float32)
-        params = None
-        if nprobe is not None and _is_ivf(self.index):
-            params = faiss.SearchParametersIVF(nprobe=nprobe)
-        distances, ids = self.index.search(queries, min(k, self.ntotal), params=params)
-        tokens = np.where(ids >= 0, self.values[np.maximum(ids, 0)], -1).astype(np.int32)
-        distances = np.where(ids >= 0, distances, np.inf).astype(np.float32)
-        return _pad(distances, tokens, k)
+        return search_index(self.index, self.values, queries, k, nprobe)
+
+
+def search_index(
+    index, values: np.ndarray, queries: np.ndarray, k: int, nprobe: int | None = None, keep: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(distances, tokens) [n, k] of the k nearest entries, padded with (+inf, -1) past the index size.
+
+    `nprobe` overrides the index's own for IVF indexes; `keep` (bool per entry) restricts the
+    search to a subset, e.g. a random fraction of the datastore."""
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    selector = faiss.IDSelectorBatch(np.flatnonzero(keep).astype(np.int64)) if keep is not None else None
+    params = None
+    if _is_ivf(index):  # SearchParametersIVF defaults to nprobe 1: always say which
+        params = faiss.SearchParametersIVF(nprobe=nprobe or faiss.extract_index_ivf(index).nprobe)
+    elif selector is not None:
+        params = faiss.SearchParameters()
+    if selector is not None:
+        params.sel = selector
+    distances, ids = index.search(queries, min(k, index.ntotal), params=params)
+    tokens = np.where(ids >= 0, values[np.maximum(ids, 0)], -1).astype(np.int32)
+    return _pad(np.where(ids >= 0, distances, np.inf).astype(np.float32), tokens, k)
 
 
 def _is_ivf(index) -> bool:
