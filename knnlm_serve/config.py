@@ -43,6 +43,16 @@ class BuildConfig(_Strict):
         return self
 
 
+class AdaptiveLambda(_Strict):
+    """λ = lambda_max·sigmoid(slope·(center − d₁)), d₁ = the nearest neighbour's squared distance.
+
+    Fitted per datastore by `knnlm-eval` (results.json, "adaptive"): distance scales differ."""
+
+    lambda_max: float = Field(gt=0, le=1)
+    slope: float = Field(gt=0)
+    center: float
+
+
 class KnnConfig(_Strict):
     """kNN-LM at serving time. Requests may override `enabled`, `lambda_`, `k`, `temperature` and
     the datastore per request through `vllm_xargs` (knn, knn_lambda, knn_k, knn_temperature,
@@ -52,6 +62,9 @@ class KnnConfig(_Strict):
     default_datastore: str | None = Field(None, description="used when a request names none; default: the first")
     enabled: bool = Field(True, description="kNN for requests that do not say knn=true/false")
     lambda_: float = Field(0.25, ge=0, le=1, alias="lambda", description="weight of p_kNN in the mix")
+    adaptive_lambda: dict[str, AdaptiveLambda] = Field(
+        default_factory=dict, description="datastore -> adaptive λ, used when a request sets no knn_lambda"
+    )
     k: int = Field(1024, gt=0, description="neighbours per query")
     max_k: int = Field(2048, gt=0, description="largest k a request may ask for")
     temperature: float = Field(1.0, gt=0, description="softmax temperature over negative L2 distances")

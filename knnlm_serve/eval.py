@@ -29,6 +29,7 @@ from knnlm_serve.config import KeyType, KnnConfig
 from knnlm_serve.datastore import Manifest
 from knnlm_serve.model import model_fingerprint
 from knnlm_serve.runtime import CONFIG_ENV, DatastoreInfo, Runtime, check_datastore, hidden_size_of
+from knnlm_serve.interpolate import adaptive_lambda
 from knnlm_serve.shard import merge_topk, open_shards, search_index
 
 SEARCH_BATCH = 2048
@@ -247,11 +248,6 @@ def sweep(log_p_lm: np.ndarray, distances: np.ndarray, match: np.ndarray, tune: 
     grid = {"k": ks, "temperature": list(config.temperatures), "lambda": list(config.lambdas),
             "tune_ppl": tune_ppl.round(4).tolist(), "report_ppl": report_ppl.round(4).tolist()}
     return {"best": best, "grid": grid}
-
-
-def adaptive_lambda(d_nearest: np.ndarray, lambda_max: float, slope: float, center: float) -> np.ndarray:
-    """λ(d) = λ_max·sigmoid(slope·(center − d)): trust retrieval more when the nearest key is close."""
-    return lambda_max / (1.0 + np.exp(-slope * (center - d_nearest)))
 
 
 def fit_adaptive_lambda(log_p_lm, log_p_knn, d_nearest, tune, config: EvalConfig) -> dict:

@@ -10,7 +10,14 @@ decode step, and full-vocabulary passes are its cost.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def adaptive_lambda(d_nearest: np.ndarray, lambda_max: float, slope: float, center: float) -> np.ndarray:
+    """λ(d) = λ_max·sigmoid(slope·(center − d)): trust retrieval more when the nearest key is close
+    (Drozdov et al. 2022). `knnlm-eval` fits the three numbers; `knn.adaptive_lambda` serves them."""
+    return lambda_max / (1.0 + np.exp(-slope * (center - d_nearest)))
 
 
 def interpolate(

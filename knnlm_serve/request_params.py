@@ -2,7 +2,7 @@
 
     knn              true/false   use kNN for this request
     knn_datastore    name         one of the server's datastores
-    knn_lambda       [0, 1]       weight of p_kNN
+    knn_lambda       [0, 1]       weight of p_kNN (unset: adaptive λ where configured)
     knn_k            1..max_k     neighbours per query
     knn_temperature  > 0          softmax temperature over negative distances
 
@@ -29,13 +29,13 @@ class KnnParamError(ValueError):
 class KnnParams:
     enabled: bool
     datastore: str | None
-    lambda_: float
+    lambda_: float | None  # None: adaptive, from the nearest neighbour's distance (knn.adaptive_lambda)
     k: int
     temperature: float
 
     @property
     def active(self) -> bool:
-        return self.enabled and self.datastore is not None and self.lambda_ > 0
+        return self.enabled and self.datastore is not None and (self.lambda_ is None or self.lambda_ > 0)
 
 
 def parse_knn_params(extra_args: dict | None, config: KnnConfig) -> KnnParams:
@@ -44,7 +44,10 @@ def parse_knn_params(extra_args: dict | None, config: KnnConfig) -> KnnParams:
     datastore = args.get("knn_datastore", config.default_name)
     if "knn_datastore" in args and datastore not in config.datastores:
         raise KnnParamError("knn_datastore", datastore, f"one of {sorted(config.datastores)}")
-    lambda_ = _number("knn_lambda", args.get("knn_lambda", config.lambda_), 0.0, 1.0, "a number in [0, 1]")
+    if "knn_lambda" not in args and datastore in config.adaptive_lambda:
+        lambda_ = None
+    else:
+        lambda_ = _number("knn_lambda", args.get("knn_lambda", config.lambda_), 0.0, 1.0, "a number in [0, 1]")
     k = args.get("knn_k", config.k)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= config.max_k:
         raise KnnParamError("knn_k", k, f"an integer in [1, {config.max_k}]")

@@ -26,7 +26,7 @@ import torch
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from knnlm_serve import metrics
-from knnlm_serve.interpolate import interpolate
+from knnlm_serve.interpolate import adaptive_lambda, interpolate
 from knnlm_serve.request_params import KnnParamError, KnnParams, parse_knn_params
 from knnlm_serve.retrieval import RetrievalError, make_retriever
 from knnlm_serve.runtime import DatastoreInfo, Runtime, RuntimeWatcher, in_use_file, runtime_path
@@ -108,7 +108,7 @@ class KnnLlamaForCausalLM(LlamaForCausalLM):
             logits[index],
             torch.from_numpy(distances).to(logits.device),
             torch.from_numpy(tokens).to(logits.device),
-            torch.tensor([params[r].lambda_ for r in group], device=logits.device),
+            torch.from_numpy(self._lambdas(info.name, [params[r] for r in group], distances[:, 0])).to(logits.device),
             torch.tensor([params[r].temperature for r in group], device=logits.device),
         )
         metrics.RETRIEVAL_SECONDS.labels(info.name).observe(searched - start)
@@ -121,6 +121,14 @@ class KnnLlamaForCausalLM(LlamaForCausalLM):
         metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
         for reason in result.failed_shards.values():
             metrics.FALLBACKS.labels(info.name, reason).inc(len(group))
+
+    def _lambdas(self, datastore: str, params: list[KnnParams], nearest: np.ndarray) -> np.ndarray:
+        """Each row's λ: the request's, or adaptive from its nearest neighbour's distance."""
+        fixed = np.array([np.nan if p.lambda_ is None else p.lambda_ for p in params], dtype=np.float32)
+        if np.isnan(fixed).any():
+            a = self._step_runtime.knn.adaptive_lambda[datastore]
+            fixed = np.where(np.isnan(fixed), adaptive_lambda(nearest, a.lambda_max, a.slope, a.center), fixed)
+        return fixed.astype(np.float32)
 
     def _rows_of(self, hidden_states: torch.Tensor) -> tuple[np.ndarray, list[str]] | None:
         """Each logits row's token index in this step's flattened batch and its request id.

@@ -80,3 +80,12 @@ def test_invalid_request_params_name_field_value_and_range(args, field, allowed)
         parse_knn_params(args, CONFIG)
     message = str(e.value)
     assert field in message and repr(next(iter(args.values()))) in message and allowed in message
+
+
+def test_adaptive_lambda_applies_only_when_the_request_sets_none():
+    config = CONFIG.model_copy(update={"adaptive_lambda": {"code": {"lambda_max": 0.8, "slope": 1.0, "center": 5.0}}})
+    config = type(CONFIG).model_validate(config.model_dump(by_alias=True))
+    assert parse_knn_params({"knn_datastore": "code"}, config).lambda_ is None
+    assert parse_knn_params({"knn_datastore": "code"}, config).active
+    assert parse_knn_params({"knn_datastore": "code", "knn_lambda": 0.4}, config).lambda_ == 0.4
+    assert parse_knn_params({"knn_datastore": "wiki"}, config).lambda_ == 0.25  # no adaptive λ for it

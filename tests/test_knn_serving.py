@@ -36,7 +36,9 @@ def knn_server(tiny_model_dir, tmp_path_factory):
     for name, text, shards in (("a", TEXT_A, 1), ("a3", TEXT_A, 3), ("b", TEXT_B, 1)):
         (work / f"{name}.txt").write_text(text)
         build_datastore([work / f"{name}.txt"], work / name, tiny_model_dir, config.model_copy(update={"shards": shards}), progress=False)
-    knn = {"datastores": {n: str(work / n) for n in ("a", "a3", "b")}, "default_datastore": "a", "k": K, "max_k": 64, "lambda": 0.25}
+    knn = {"datastores": {n: str(work / n) for n in ("a", "a3", "b")}, "default_datastore": "a", "k": K, "max_k": 64, "lambda": 0.25,
+           # λ ≈ 1 when the nearest key is (almost) the query itself, ≈ 0 far away
+           "adaptive_lambda": {"b": {"lambda_max": 1.0, "slope": 1.0, "center": 20.0}}}
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
         yield server
 
@@ -118,6 +120,19 @@ def test_mixed_batch_rows_get_their_own_settings(knn_server, token_ids):
         assert choice.token_ids == alone[i % 5].token_ids
         np.testing.assert_allclose(choice.logprobs.token_logprobs, alone[i % 5].logprobs.token_logprobs, atol=1e-4)
     assert alone[0].token_ids != alone[1].token_ids  # the two datastores really differ
+
+
+def test_adaptive_lambda_from_the_config_when_the_request_sets_none(knn_server, token_ids):
+    ids = token_ids["b"]
+    n = prefix_length(ids)
+    adaptive = complete(knn_server, ids[:n], knn_datastore="b")  # no knn_lambda: adaptive λ ≈ 1 on exact matches
+    assert adaptive.token_ids == ids[n : n + 16]
+    fixed = complete(knn_server, ids[:n], knn_datastore="b", knn_lambda=0.05)
+    assert fixed.token_ids == adaptive.token_ids
+    # p_LM of the random model is negligible, so log p ≈ log λ + log p_kNN: the two differ by log(λ_adaptive / 0.05),
+    # with λ_adaptive = σ(20 − d₁) ≈ 1 for these exact matches.
+    difference = np.array(adaptive.logprobs.token_logprobs) - np.array(fixed.logprobs.token_logprobs)
+    np.testing.assert_allclose(difference, np.log(1 / 0.05), atol=0.05)
 
 
 def test_streaming_with_vllm_xargs_and_logprobs(knn_server, token_ids):
