@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         if config.knn.datastores:
             start_knn(config, model_dir)
             argv += ["--logits-processors", VALIDATOR]
+        else:  # plain vLLM: a runtime left in the environment (another tool's) must not switch kNN on
+            os.environ.pop(CONFIG_ENV, None)
     except (ConfigError, ModelError, DatastoreError) as e:
         sys.exit(f"knnlm-serve: error: {e}")
     run_vllm_server(argv)

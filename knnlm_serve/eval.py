@@ -109,16 +109,25 @@ def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
 
     The runtime reaches vLLM's engine process through the environment, as in `knnlm-serve`."""
     knn = KnnConfig(datastores={datastore.name: datastore.path}, backend="local", k=max(config.ks), max_k=max(config.ks))
-    os.environ[CONFIG_ENV] = str(Runtime(knn=knn, datastores={datastore.name: datastore}).save())
-    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     from vllm import LLM
 
     from knnlm_serve.cli import VALIDATOR
 
-    return LLM(
-        model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=config.context_length + 2,
-        kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30), logits_processors=[VALIDATOR], seed=config.seed,
-    )
+    # Set only while vLLM starts its processes: anything this process starts later must not inherit it.
+    saved = {name: os.environ.get(name) for name in (CONFIG_ENV, "VLLM_DISABLE_COMPILE_CACHE")}
+    os.environ[CONFIG_ENV] = str(Runtime(knn=knn, datastores={datastore.name: datastore}).save())
+    os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    try:
+        return LLM(
+            model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=config.context_length + 2,
+            kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30), logits_processors=[VALIDATOR], seed=config.seed,
+        )
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def score_with_vllm(llm, text: EvalText, xargs: dict, progress: bool = True) -> np.ndarray:

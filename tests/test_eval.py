@@ -143,3 +143,12 @@ def test_datastore_for_another_model_is_refused_with_exit_code_1(datastores, tex
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("knnlm-eval: error: datastore 'd'") and "was built for model" in last
+
+
+def test_evaluation_leaves_no_runtime_in_the_environment(run):
+    """Processes started after an evaluation (a plain server, say) must not inherit its kNN runtime."""
+    import os
+
+    from knnlm_serve.runtime import CONFIG_ENV
+
+    assert CONFIG_ENV not in os.environ
