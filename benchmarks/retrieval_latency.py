@@ -70,7 +70,7 @@ VOCAB = 49_152  # SmolLM2 vocabulary
 N_CENTRES = 4096
 K = 1024
 NPROBE = 32
-SHARD_COUNTS = (1, 4)
+SHARD_COUNTS = (1, 2, 4)
 CHUNK = 65_536
 GENERATOR = "clustered-v2"  # bump when ClusteredVectors changes, to invalidate cached builds
 
