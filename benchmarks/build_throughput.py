@@ -61,7 +61,7 @@ def peak_rss_mib() -> float:
 
 
 def bench_config():
-    from knnlm_serve.config import BuildConfig
+    from knnlm_core.config import BuildConfig
 
     # Flat index: this benchmark measures the encode path. For a corpus this small `auto` picks
     # Flat anyway; pinning it keeps IVF-PQ training time out of the build's wall seconds (index
@@ -116,24 +116,16 @@ def child_build(spec: dict) -> dict:
 
 
 def child_baseline(spec: dict) -> dict:
-    import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from index_builder.corpus import find_files, iter_documents
-    from index_builder.encode import pad_right, plan_windows
+    from knnlm_core.corpus import find_files, tokenize_files
+    from knnlm_core.keys import pad_right
+    from knnlm_core.windows import fed_tokens, plan_windows
 
     config = bench_config()
     model_dir = spec["model_dir"]
-    # Tokenize exactly as build.py's _tokenize: one `tokenizer(text).input_ids` per document.
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    docs = [
-        np.asarray(tokenizer(text).input_ids, dtype=np.int32)
-        for text in iter_documents(find_files([spec["corpus"]]), text_field=config.text_field, on_bad_utf8=config.on_bad_utf8)
-    ]
-    tokens = np.concatenate(docs)
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    tokens, offsets = tokenize_files(find_files([spec["corpus"]]), model_dir, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8)
     plan = plan_windows(offsets, config.context_length, config.stride)
     windows = plan.windows
 
@@ -146,7 +138,7 @@ def child_baseline(spec: dict) -> dict:
         for b, i in enumerate(starts):
             j = min(i + config.batch_size, len(windows))
             ids, _ = pad_right([tokens[f:k1] for f, _, k1 in windows[i:j]])
-            fed += int((windows[i:j, 2] - windows[i:j, 0]).sum())
+            fed += fed_tokens(plan, i, j)
             # Alternate which pass goes first so cache warmth and noise favour neither.
             order = ("full", "backbone") if b % 2 == 0 else ("backbone", "full")
             for which in order:
@@ -213,11 +205,15 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--chars", type=int, nargs="+", default=list(DEFAULT_CHARS), help="corpus sizes, in characters of WikiText (default: %(default)s)")
+    p.add_argument(
+        "--chars", type=int, nargs="+", default=list(DEFAULT_CHARS), help="corpus sizes, in characters of WikiText (default: %(default)s)"
+    )
     p.add_argument("--wikitext", type=Path, default=WIKITEXT, help="WikiText-2 directory (default: %(default)s)")
     p.add_argument("--split", default="valid", help="which WikiText file: valid or test (default: %(default)s)")
     p.add_argument("--baseline-every-size", action="store_true", help="also run a baseline after each later size's build")
-    p.add_argument("--repeats", type=int, default=1, help="build+baseline pairs after the first baseline on the first size (default: %(default)s)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="build+baseline pairs after the first baseline on the first size (default: %(default)s)"
+    )
     p.add_argument("--no-backbone", action="store_true", help="skip the no-LM-head forward in the baseline (halves its time)")
     p.add_argument("--output", type=Path, default=RESULTS, help="JSON results file (default: %(default)s)")
     p.add_argument("--_child", choices=("build", "baseline"), help=argparse.SUPPRESS)
@@ -233,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     source = args.wikitext / f"{args.split}.txt"
     if not source.is_file():
         p.error(f"{source} not found; pass --wikitext DIR")
-    from knnlm_serve.model import prepare_default_model
+    from knnlm_core.default_model import prepare_default_model
 
     started = time.monotonic()
     model_dir = prepare_default_model()
@@ -325,8 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"wrote {args.output} ({report['total_wall_s']:.0f} s in all)")
     print(markdown(rows))
     m = report["machine"]
-    print(f"\n{m['cpu_count']} CPUs, torch {m['torch_version']} with {m['torch_threads']} threads; "
-          f"ratio = build encode tok/s / bare forward tok/s over the same fed tokens (target >= 0.8).")
+    print(
+        f"\n{m['cpu_count']} CPUs, torch {m['torch_version']} with {m['torch_threads']} threads; "
+        f"ratio = build encode tok/s / bare forward tok/s over the same fed tokens (target >= 0.8)."
+    )
     return 0
 
 
@@ -334,10 +332,9 @@ def _fed_tokens(tokens: int, config) -> int:
     """Fed tokens of one document of `tokens` tokens, as plan_windows lays it out."""
     import numpy as np
 
-    from index_builder.encode import plan_windows
+    from knnlm_core.windows import fed_tokens, plan_windows
 
-    plan = plan_windows(np.array([0, tokens]), config.context_length, config.stride)
-    return int((plan.windows[:, 2] - plan.windows[:, 0]).sum())
+    return fed_tokens(plan_windows(np.array([0, tokens]), config.context_length, config.stride))
 
 
 if __name__ == "__main__":

@@ -5,16 +5,14 @@ One timed call is what one decode step does: the step's batch of queries goes to
 top-k. Every (shards, batch) cell runs the local backend and then the Ray backend back to back,
 so load from anything else on the machine hits both alike.
 
-The datastore is synthetic but in the real on-disk format (`read_manifest` accepts it): keys of
+The datastore is synthetic but built by the index builder itself (`build_from_keys`): keys of
 dimension 576 (SmolLM2-135M's hidden size) from 4096 Gaussian clusters of uneven popularity and
 spread with a power-law spectrum (see ClusteredVectors), so IVF lists are unevenly full about as
-with real hidden states; values are uniform random
-token ids below 49,152. It is built once per `--entries` as IVF-PQ with the project's
-`index_factory_string("ivfpq", entries, 576)` (IVF4096,PQ64 at 1M), trained once on
-`--train-sample` keys, the trained index cloned per shard as `knnlm-index build` does; the 1-shard
-and the 4-shard datastore hold the same entries (each key encoded once, its codes added to both
-layouts). Keys are generated chunk by chunk and never all held in memory. The build is cached under
-`--workdir` and reused when its parameters match.
+with real hidden states; values are uniform random token ids below 49,152. Keys are generated
+chunk by chunk into an fp16 memmap; each shard layout (1, 2, 4) is one `build_from_keys` over the
+same keys, as IVF-PQ with the project's `index_factory_string("ivfpq", entries, 576)`
+(IVF4096,PQ64 at 1M) trained on `--train-sample` keys with the same seed. The builds are cached
+under `--workdir` and reused when their parameters match.
 
 Besides the end-to-end cells, batch 32 is broken down: per-shard FAISS search, `merge_topk`, and
 `knnlm_serve.interpolate.interpolate` over a 49,152-token vocabulary (torch, CPU). Ray overhead
@@ -50,20 +48,12 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network from a bench
 
 import faiss  # noqa: E402
 
-import knnlm_serve  # noqa: E402
-from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string, set_nprobe, train_index  # noqa: E402
-from knnlm_serve.datastore import (  # noqa: E402
-    MANIFEST,
-    BuildStats,
-    CorpusStats,
-    IndexSpec,
-    Manifest,
-    ModelIdentity,
-    ShardEntry,
-    file_entry,
-    read_manifest,
-    write_json_atomic,
-)
+import knnlm_core  # noqa: E402
+from index_builder.build import build_from_keys  # noqa: E402
+from index_builder.faiss_index import index_factory_string  # noqa: E402
+from knnlm_core.config import BuildConfig  # noqa: E402
+from knnlm_core.datastore import ModelIdentity, read_manifest  # noqa: E402
+from knnlm_core.files import write_json_atomic  # noqa: E402
 
 DIM = 576  # SmolLM2-135M hidden size
 VOCAB = 49_152  # SmolLM2 vocabulary
@@ -116,20 +106,34 @@ KEYS_STREAM, QUERY_STREAM = 1, 2  # queries are held out: another random stream,
 # ----------------------------------------------------------------------------------------- build
 
 
-def build_params(entries: int, train_sample: int, seed: int, factory: str | None, build_threads: int,
-                 model: dict | None = None) -> dict:
+def build_params(entries: int, train_sample: int, seed: int, factory: str | None, build_threads: int, model: dict | None = None) -> dict:
     return {
         "model": model or {"name": "synthetic", "fingerprint": "synthetic"},
-        "generator": GENERATOR, "entries": entries, "dim": DIM, "centres": N_CENTRES, "vocab": VOCAB,
-        "train_sample": min(train_sample, entries), "seed": seed, "chunk": CHUNK,
-        "factory": factory or index_factory_string("ivfpq", entries, DIM), "shard_counts": list(SHARD_COUNTS),
+        "generator": GENERATOR,
+        "entries": entries,
+        "dim": DIM,
+        "centres": N_CENTRES,
+        "vocab": VOCAB,
+        "train_sample": min(train_sample, entries),
+        "seed": seed,
+        "chunk": CHUNK,
+        "factory": factory or index_factory_string("ivfpq", entries, DIM),
+        "shard_counts": list(SHARD_COUNTS),
         "build_threads": build_threads,
     }
 
 
-def ensure_datastores(workdir: Path, entries: int, train_sample: int, seed: int, rebuild: bool,
-                      factory: str | None = None, build_threads: int = 1, model: dict | None = None) -> dict:
-    """Build (or reuse) `<workdir>/synthetic-<entries>/shards-{1,4}`; return the build record."""
+def ensure_datastores(
+    workdir: Path,
+    entries: int,
+    train_sample: int,
+    seed: int,
+    rebuild: bool,
+    factory: str | None = None,
+    build_threads: int = 1,
+    model: dict | None = None,
+) -> dict:
+    """Build (or reuse) `<workdir>/synthetic-<entries>/shards-{1,2,4}`; return the build record."""
     params = build_params(entries, train_sample, seed, factory, build_threads, model)
     final = workdir / f"synthetic-{entries}"
     record_file = final / "build.json"
@@ -144,105 +148,52 @@ def ensure_datastores(workdir: Path, entries: int, train_sample: int, seed: int,
                 return record
         except Exception as e:  # noqa: BLE001 - anything off: rebuild
             log(f"build: cached {final} unusable ({type(e).__name__}: {e}); rebuilding")
-    work = workdir / f".synthetic-{entries}.partial"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    shutil.rmtree(final, ignore_errors=True)
+    final.mkdir(parents=True)
     threads = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(build_threads)
     try:
-        record = _build(work, params)
+        record = _build(final, params)
     finally:
         faiss.omp_set_num_threads(threads)
-    write_json_atomic(work / "build.json", record)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(work, final)
+    write_json_atomic(record_file, record)
     record["reused"] = False
     return record
 
 
-def _build(work: Path, params: dict) -> dict:
+def _build(final: Path, params: dict) -> dict:
     started = time.monotonic()
-    entries, factory, n_train = params["entries"], params["factory"], params["train_sample"]
+    entries, factory = params["entries"], params["factory"]
     gen = ClusteredVectors(params["seed"])
     seconds: dict[str, float] = {}
-    log(f"build: {entries:,} synthetic keys, dim {DIM}, {factory}; 1 and 4 shards under {work}")
-
-    # Train on the first n_train keys (the draws are i.i.d., so they are a random sample).
+    log(f"build: {entries:,} synthetic keys, dim {DIM}, {factory}; {', '.join(map(str, SHARD_COUNTS))} shards under {final}")
     t0 = time.monotonic()
-    sample = np.concatenate([gen.draw(min(CHUNK, n_train - s), KEYS_STREAM, s // CHUNK) for s in range(0, n_train, CHUNK)])
-    seconds["generate_train_sample"] = time.monotonic() - t0
-    log(f"train: {factory} on {n_train:,} keys ({n_train / N_CENTRES:.0f} per IVF list) ...")
-    t0 = time.monotonic()
-    trained = train_index(factory, sample, seed=params["seed"])
-    set_nprobe(trained, DEFAULT_NPROBE)
-    seconds["train"] = time.monotonic() - t0
-    log(f"train: done in {seconds['train']:.1f} s")
-    del sample
-
-    values = np.random.default_rng([params["seed"], 3]).integers(0, VOCAB, entries, dtype=np.int32)
-    bounds = {n: np.linspace(0, entries, n + 1).astype(np.int64) for n in SHARD_COUNTS}
-    indexes = {n: [faiss.clone_index(trained) for _ in range(n)] for n in SHARD_COUNTS}
-    seconds.update(generate=0.0, encode=0.0, add=0.0)
-    t_add = time.monotonic()
+    keys = np.lib.format.open_memmap(final / "keys.npy", mode="w+", dtype=np.float16, shape=(entries, DIM))
     for c, lo in enumerate(range(0, entries, CHUNK)):
         hi = min(lo + CHUNK, entries)
-        t0 = time.monotonic()
-        x = gen.draw(hi - lo, KEYS_STREAM, c)
-        t1 = time.monotonic()
-        codes = trained.sa_encode(x)  # coarse list + PQ code, computed once for both layouts
-        t2 = time.monotonic()
-        for n in SHARD_COUNTS:
-            b = bounds[n]
-            for s in range(n):
-                a, z = max(lo, int(b[s])), min(hi, int(b[s + 1]))
-                if a < z:  # ids 0..n-1 within each shard, in key order, as the builder's index.add gives
-                    indexes[n][s].add_sa_codes(np.ascontiguousarray(codes[a - lo : z - lo]))
-        t3 = time.monotonic()
-        seconds["generate"] += t1 - t0
-        seconds["encode"] += t2 - t1
-        seconds["add"] += t3 - t2
-        if c % 4 == 3 or hi == entries:
-            log(f"add: {hi:,}/{entries:,} keys, {time.monotonic() - t_add:.0f} s")
-    imbalance = faiss.extract_index_ivf(indexes[1][0]).invlists.imbalance_factor()
-
-    t0 = time.monotonic()
+        keys[lo:hi] = gen.draw(hi - lo, KEYS_STREAM, c)
+    keys.flush()
+    values = np.random.default_rng([params["seed"], 3]).integers(0, VOCAB, entries, dtype=np.int32)
+    seconds["generate"] = time.monotonic() - t0
+    model = ModelIdentity(**params["model"], hidden_size=DIM, vocab_size=VOCAB, dtype="float32")
+    source = f"synthetic:{GENERATOR}:seed={params['seed']}"
     for n in SHARD_COUNTS:
-        root = work / f"shards-{n}"
-        root.mkdir()
-        shards = []
-        for s, index in enumerate(indexes[n]):
-            lo, hi = int(bounds[n][s]), int(bounds[n][s + 1])
-            assert index.ntotal == hi - lo, (index.ntotal, hi - lo)
-            shard_dir = root / f"shard-{s:03d}"
-            shard_dir.mkdir()
-            faiss.write_index(index, str(shard_dir / "index.faiss"))
-            np.save(shard_dir / "values.npy", values[lo:hi])
-            shards.append(ShardEntry(name=shard_dir.name, entries=hi - lo, index=file_entry(root, shard_dir / "index.faiss"),
-                                     values=file_entry(root, shard_dir / "values.npy")))
-        manifest = Manifest(
-            model=ModelIdentity(**params["model"], hidden_size=DIM, vocab_size=VOCAB, dtype="float32"),
-            key_type="ffn_input",
-            dim=DIM,
-            index=IndexSpec(factory=factory, nprobe=DEFAULT_NPROBE, train_size=n_train),
-            entries=entries,
-            shards=shards,
-            corpus=CorpusStats(sources=[f"synthetic:{GENERATOR}:seed={params['seed']}"], documents=0, tokens=entries),
-            build=BuildStats(context_length=0, stride=0, seconds=round(time.monotonic() - started, 2), encode_tokens_per_s=0.0,
-                             created=datetime.now(timezone.utc).isoformat(timespec="seconds"), tool_version=knnlm_serve.__version__),
-        )
-        write_json_atomic(root / MANIFEST, manifest.model_dump(mode="json"))
-        read_manifest(root)  # the server's own check
-    seconds["write"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        config = BuildConfig(index=factory, shards=n, train_sample=params["train_sample"], seed=params["seed"])
+        build_from_keys(keys, values, final / f"shards-{n}", model, config, source=source, progress=True)
+        seconds[f"build_{n}_shards"] = time.monotonic() - t0
+        log(f"build: {n} shard(s) in {seconds[f'build_{n}_shards']:.0f} s")
+    del keys
+    (final / "keys.npy").unlink()
     seconds["total"] = time.monotonic() - started
-    log(f"build: done in {seconds['total']:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in seconds.items() if k != 'total')})")
     return {
         "params": params,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": {k: round(v, 2) for k, v in seconds.items()},
-        "ivf_imbalance_factor": round(float(imbalance), 3),
-        "note": (f"trained on {n_train:,} keys = {n_train / N_CENTRES:.0f} per IVF list (FAISS asks for >= 39); "
-                 "keys encoded once (sa_encode: coarse list + PQ code) and the codes added to both layouts "
-                 f"(add_sa_codes); FAISS threads during the build: {params['build_threads']}"),
+        "note": (
+            f"index_builder.build_from_keys per layout, trained on {params['train_sample']:,} keys "
+            f"(seed {params['seed']}); FAISS threads during the build: {params['build_threads']}"
+        ),
     }
 
 
@@ -252,8 +203,12 @@ def _build(work: Path, params: dict) -> dict:
 def stats_ms(samples_s: list[float], batch: int) -> dict:
     ms = np.asarray(samples_s) * 1e3
     return {
-        "n": len(ms), "p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3),
-        "mean_ms": round(float(ms.mean()), 3), "min_ms": round(float(ms.min()), 3), "max_ms": round(float(ms.max()), 3),
+        "n": len(ms),
+        "p50_ms": round(float(np.percentile(ms, 50)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+        "mean_ms": round(float(ms.mean()), 3),
+        "min_ms": round(float(ms.min()), 3),
+        "max_ms": round(float(ms.max()), 3),
         "queries_per_s": round(batch / float(ms.mean() / 1e3), 1),
     }
 
@@ -314,8 +269,14 @@ def machine_info() -> dict:
         "faiss_compile_options": faiss.get_compile_options(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
-        "versions": {"python": platform.python_version(), "numpy": np.__version__, "faiss": faiss.__version__,
-                     "ray": ray.__version__, "torch": torch.__version__, "knnlm_serve": knnlm_serve.__version__},
+        "versions": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "faiss": faiss.__version__,
+            "ray": ray.__version__,
+            "torch": torch.__version__,
+            "knnlm": knnlm_core.__version__,
+        },
     }
 
 
@@ -360,10 +321,10 @@ def measure(args, record: dict, final: Path) -> dict:
     import ray
     import torch
 
-    from knnlm_serve.config import KnnConfig
-    from knnlm_serve.interpolate import interpolate
+    from knnlm_core.config import KnnConfig
+    from knnlm_core.mixture import interpolate
+    from knnlm_core.search import ShardSearcher, merge_topk
     from knnlm_serve.runtime import DatastoreInfo, Runtime
-    from knnlm_serve.shard import ShardSearcher, merge_topk
 
     gen = ClusteredVectors(args.seed)
     pool = QueryPool(gen)
@@ -371,19 +332,15 @@ def measure(args, record: dict, final: Path) -> dict:
     infos, manifests = {}, {}
     for n in SHARD_COUNTS:
         path = final / f"shards-{n}"
-        m = manifests[n] = read_manifest(path)
-        infos[names[n]] = DatastoreInfo(name=names[n], path=str(path), key_type=m.key_type, nprobe=m.index.nprobe,
-                                        entries=m.entries, shards=[s.name for s in m.shards], index=m.index.factory,
-                                        fingerprint=m.model.fingerprint,
-                                        bytes=sum(f.bytes for s in m.shards for f in (s.index, s.values)))
+        manifests[n] = read_manifest(path)
+        infos[names[n]] = DatastoreInfo.of(names[n], path, manifests[n])
     namespace = f"knnlm-bench-{os.getpid()}"
     log("ray: init ...")
     t0 = time.monotonic()
     ray.init(include_dashboard=False, log_to_driver=False, namespace=namespace, object_store_memory=512 * 2**20)
     ray_init_s = time.monotonic() - t0
     try:
-        knn = KnnConfig(datastores={k: v.path for k, v in infos.items()}, backend="ray", ray_namespace=namespace,
-                        k=K, max_k=max(K, 2048), nprobe=NPROBE, gpu=False)
+        knn = KnnConfig(backend="ray", ray_namespace=namespace, k=K, max_k=max(K, 2048), nprobe=NPROBE, gpu=False)
         runtime = Runtime(knn=knn, datastores=infos, ray_address=ray.get_runtime_context().gcs_address)
         log(f"ray: up in {ray_init_s:.1f} s; starting {sum(SHARD_COUNTS)} shard actors, loading local shards ...")
         t0 = time.monotonic()
@@ -407,8 +364,7 @@ def measure(args, record: dict, final: Path) -> dict:
                         cell["ray"]["slowest_shard_search_p50_ms"] = round(float(np.percentile(in_actor, 50)), 3)
                 cell["ray_overhead_p50_ms"] = round(cell["ray"]["p50_ms"] - cell["local"]["p50_ms"], 3)
                 cell["ray_overhead_mean_ms"] = round(cell["ray"]["mean_ms"] - cell["local"]["mean_ms"], 3)
-                log(f"cell shards={n} batch={batch}: local p50 {cell['local']['p50_ms']:.2f} ms, "
-                    f"ray p50 {cell['ray']['p50_ms']:.2f} ms")
+                log(f"cell shards={n} batch={batch}: local p50 {cell['local']['p50_ms']:.2f} ms, ray p50 {cell['ray']['p50_ms']:.2f} ms")
                 cells.append(cell)
 
         # Where a batch-32 step's time goes: FAISS per shard, merge, interpolation.
@@ -438,10 +394,11 @@ def measure(args, record: dict, final: Path) -> dict:
         lam, temp = torch.full((bb,), 0.25), torch.full((bb,), 1.0)
         breakdown["interpolate"] = stats_ms(timed(interpolate, lambda: (logits, d_t, t_t, lam, temp), 3, reps), bb)
         breakdown["interpolate"]["vocab"] = VOCAB
-        log(f"breakdown batch {bb}: merge(4 shards) p50 {breakdown['shards4']['merge_topk']['p50_ms']:.2f} ms, "
-            f"interpolate p50 {breakdown['interpolate']['p50_ms']:.2f} ms")
-        setup = {"ray_init_s": round(ray_init_s, 2), "actors_and_local_load_s": round(load_s, 2),
-                 "ray_worker_threads": worker_threads}
+        log(
+            f"breakdown batch {bb}: merge(4 shards) p50 {breakdown['shards4']['merge_topk']['p50_ms']:.2f} ms, "
+            f"interpolate p50 {breakdown['interpolate']['p50_ms']:.2f} ms"
+        )
+        setup = {"ray_init_s": round(ray_init_s, 2), "actors_and_local_load_s": round(load_s, 2), "ray_worker_threads": worker_threads}
         del retrievers
         return {"cells": cells, "breakdown": breakdown, "setup": setup}
     finally:
@@ -463,19 +420,27 @@ def markdown(report: dict) -> str:
     ]
     for c in report["cells"]:
         lo, ra = c["local"], c["ray"]
-        lines.append(f"| {c['shards']} | {c['batch']} | {lo['p50_ms']:.2f} | {lo['p99_ms']:.2f} | {lo['mean_ms']:.2f} | "
-                     f"{lo['queries_per_s']:.0f} | {ra['p50_ms']:.2f} | {ra['p99_ms']:.2f} | {ra['mean_ms']:.2f} | "
-                     f"{ra['queries_per_s']:.0f} | {c['ray_overhead_p50_ms']:+.2f} | "
-                     + (f"{ra['slowest_shard_search_p50_ms']:.2f} |" if "slowest_shard_search_p50_ms" in ra else "– |"))
+        lines.append(
+            f"| {c['shards']} | {c['batch']} | {lo['p50_ms']:.2f} | {lo['p99_ms']:.2f} | {lo['mean_ms']:.2f} | "
+            f"{lo['queries_per_s']:.0f} | {ra['p50_ms']:.2f} | {ra['p99_ms']:.2f} | {ra['mean_ms']:.2f} | "
+            f"{ra['queries_per_s']:.0f} | {c['ray_overhead_p50_ms']:+.2f} | "
+            + (f"{ra['slowest_shard_search_p50_ms']:.2f} |" if "slowest_shard_search_p50_ms" in ra else "– |")
+        )
     b = report["breakdown"]
-    lines += ["", f"Batch {b['batch']} breakdown (p50 ms)", "",
-              "| shards | FAISS search per shard | sum over shards | codes scanned/query | merge_topk | interpolate (vocab 49,152) |",
-              "|---:|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        f"Batch {b['batch']} breakdown (p50 ms)",
+        "",
+        "| shards | FAISS search per shard | sum over shards | codes scanned/query | merge_topk | interpolate (vocab 49,152) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
     for n in SHARD_COUNTS:
         s = b[f"shards{n}"]
         per = ", ".join(f"{x['p50_ms']:.2f}" for x in s["search_per_shard"])
-        lines.append(f"| {n} | {per} | {s['search_sum_p50_ms']:.2f} | {s['codes_scanned_per_query']:,} | "
-                     f"{s['merge_topk']['p50_ms']:.3f} | {b['interpolate']['p50_ms']:.2f} |")
+        lines.append(
+            f"| {n} | {per} | {s['search_sum_p50_ms']:.2f} | {s['codes_scanned_per_query']:,} | "
+            f"{s['merge_topk']['p50_ms']:.3f} | {b['interpolate']['p50_ms']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -483,22 +448,34 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--entries", type=int, default=1_000_000, help="datastore entries (default: %(default)s)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="queries per step (default: %(default)s)")
-    p.add_argument("--repeats", type=int, nargs="+", default=[50, 50, 20],
-                   help="timed calls per cell: one value for all batch sizes, or one per batch size (default: %(default)s)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        nargs="+",
+        default=[50, 50, 20],
+        help="timed calls per cell: one value for all batch sizes, or one per batch size (default: %(default)s)",
+    )
     p.add_argument("--warmup", type=int, default=5, help="untimed calls per cell and backend (default: %(default)s)")
     p.add_argument("--breakdown-batch", type=int, default=32, help="batch size of the search/merge/interpolate breakdown")
     p.add_argument("--breakdown-repeats", type=int, default=20, help="timed calls per breakdown item (default: %(default)s)")
     p.add_argument("--train-sample", type=int, default=65_536, help="keys the IVF-PQ quantizers are trained on (default: %(default)s)")
     p.add_argument("--factory", help="FAISS factory string (default: index_factory_string('ivfpq', entries, 576))")
-    p.add_argument("--build-threads", type=int, default=1,
-                   help="FAISS threads for the build; 1 is faster on a small, busy machine (default: %(default)s)")
+    p.add_argument(
+        "--build-threads",
+        type=int,
+        default=1,
+        help="FAISS threads for the build; 1 is faster on a small, busy machine (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/knnlm-bench"), help="datastore cache (default: %(default)s)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the datastore even if a matching one is cached")
     p.add_argument("--output", type=Path, default=RESULTS, help="JSON results file (default: %(default)s)")
-    p.add_argument("--model-dir", type=Path,
-                   help="stamp this model's identity on the synthetic datastores so a server of it accepts them "
-                        "(loadtest scenarios); its hidden size must be 576")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        help="stamp this model's identity on the synthetic datastores so a server of it accepts them "
+        "(loadtest scenarios); its hidden size must be 576",
+    )
     p.add_argument("--build-only", action="store_true", help="build (or reuse) the datastores, measure nothing")
     args = p.parse_args(argv)
     if len(args.repeats) == 1:
@@ -513,14 +490,14 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = None
     if args.model_dir:
-        from knnlm_serve.model import model_fingerprint
-        from knnlm_serve.runtime import hidden_size_of
+        from knnlm_core.model_dir import model_config, model_fingerprint
 
-        if hidden_size_of(args.model_dir) != DIM:
-            p.error(f"--model-dir {args.model_dir} has hidden size {hidden_size_of(args.model_dir)}, not {DIM}")
+        if model_config(args.model_dir)["hidden_size"] != DIM:
+            p.error(f"--model-dir {args.model_dir} has hidden size {model_config(args.model_dir)['hidden_size']}, not {DIM}")
         model = {"name": args.model_dir.name, "fingerprint": model_fingerprint(args.model_dir)}
-    record = ensure_datastores(args.workdir, args.entries, args.train_sample, args.seed, args.rebuild,
-                               args.factory, args.build_threads, model)
+    record = ensure_datastores(
+        args.workdir, args.entries, args.train_sample, args.seed, args.rebuild, args.factory, args.build_threads, model
+    )
     final = args.workdir / f"synthetic-{args.entries}"
     if args.build_only:
         print(json.dumps({"datastores": [str(final / f"shards-{n}") for n in SHARD_COUNTS], "build": record}, indent=2))
@@ -535,9 +512,15 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "build": record,
         "datastore": str(final),
-        "settings": {"k": K, "nprobe": NPROBE, "batch_sizes": args.batch_sizes, "repeats": args.repeats, "warmup": args.warmup,
-                     "queries": "held-out draws from the same clustered distribution (4096-query pool, cycled)",
-                     "p99_note": "with 20-50 samples p99 is close to the maximum"},
+        "settings": {
+            "k": K,
+            "nprobe": NPROBE,
+            "batch_sizes": args.batch_sizes,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "queries": "held-out draws from the same clustered distribution (4096-query pool, cycled)",
+            "p99_note": "with 20-50 samples p99 is close to the maximum",
+        },
         **results,
         "seconds": round(time.monotonic() - started, 1),
     }

@@ -29,10 +29,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from build_throughput import WIKITEXT, prepare_corpus  # noqa: E402  (un-escapes and cuts at a line end)
 
 from index_builder.build import build_datastore  # noqa: E402
-from knnlm_serve.config import BuildConfig  # noqa: E402
-from knnlm_serve.datastore import MANIFEST  # noqa: E402
-from knnlm_serve.eval import EvalConfig, evaluate, markdown_table, write_report  # noqa: E402
-from knnlm_serve.model import cache_dir, prepare_default_model  # noqa: E402
+from knnlm_core.config import BuildConfig, EvalConfig
+from knnlm_core.datastore import MANIFEST  # noqa: E402
+from knnlm_core.default_model import prepare_default_model
+from knnlm_core.model_dir import cache_dir  # noqa: E402
+from knnlm_serve.eval.report import markdown_table, write_report  # noqa: E402
+from knnlm_serve.eval.run import evaluate  # noqa: E402
 
 
 def ensure_datastore(corpus: Path, name: str, model_dir: Path, config: BuildConfig) -> Path:
@@ -64,18 +66,29 @@ def main() -> None:
     kept = {"keep_keys": True}
     datastores = {
         f"{main_name}-ffn_input": ensure_datastore(valid, f"wt2-{main_name}-ffn_input", model_dir, build.model_copy(update=kept)),
-        f"{small}-ffn_input": ensure_datastore(keytype_text, f"wt2-{small}-ffn_input", model_dir, build.model_copy(update={**kept, "index": "ivfpq"})),
-        f"{small}-final": ensure_datastore(keytype_text, f"wt2-{small}-final", model_dir, build.model_copy(update={"key_type": "final", "index": "flat"})),
+        f"{small}-ffn_input": ensure_datastore(
+            keytype_text, f"wt2-{small}-ffn_input", model_dir, build.model_copy(update={**kept, "index": "ivfpq"})
+        ),
+        f"{small}-final": ensure_datastore(
+            keytype_text, f"wt2-{small}-final", model_dir, build.model_copy(update={"key_type": "final", "index": "flat"})
+        ),
     }
 
     config = EvalConfig(
-        stride=args.stride, ks=(8, 64, 256, 1024), temperatures=(0.5, 1, 2, 3, 5, 10, 20, 50, 100),
-        nprobes=(4, 128), exact=True, fractions=(0.1, 0.3), tune_fraction=0.2,
+        stride=args.stride,
+        ks=(8, 64, 256, 1024),
+        temperatures=(0.5, 1, 2, 3, 5, 10, 20, 50, 100),
+        nprobes=(4, 128),
+        exact=True,
+        fractions=(0.1, 0.3),
+        tune_fraction=0.2,
     )
     run = evaluate([test], datastores, model_dir, config)
     run.summary["reproduction"] = {
         "command": "benchmarks/wikitext2_eval.py " + " ".join(sys.argv[1:]),
-        "valid_chars": args.valid_chars, "keytype_chars": args.keytype_chars, "test_chars": args.test_chars,
+        "valid_chars": args.valid_chars,
+        "keytype_chars": args.keytype_chars,
+        "test_chars": args.test_chars,
         "datastores": {n: json.loads((p / MANIFEST).read_text())["corpus"] | {"path": str(p)} for n, p in datastores.items()},
     }
     write_report(run, args.out)

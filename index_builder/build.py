@@ -4,12 +4,16 @@ The build runs in a hidden sibling directory `.<name>.partial` and is renamed in
 after the manifest is written, so a killed build never leaves a directory that looks complete.
 Each phase leaves a durable result there (tokens, keys written batch by batch with a progress
 record, the trained index, finished shards), so rerunning the same command resumes.
+
+`build_from_keys` is the second half on its own, for keys computed elsewhere (the benchmarks'
+synthetic stores): the same training, sharding and manifest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -20,24 +24,29 @@ import faiss
 import numpy as np
 from tqdm import tqdm
 
-import knnlm_serve
-from index_builder.corpus import CorpusError, find_files, iter_documents
-from index_builder.encode import KeyEncoder, plan_windows, window_values
-from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string, needs_training, set_nprobe, train_index
-from knnlm_serve.config import BuildConfig
-from knnlm_serve.datastore import (
+import knnlm_core
+from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string, needs_training, train_index
+from knnlm_core.config import BuildConfig, KeyType
+from knnlm_core.corpus import doc_offsets, find_files, iter_documents, token_ids
+from knnlm_core.datastore import (
     MANIFEST,
     BuildStats,
     CorpusStats,
-    DatastoreError,
     IndexSpec,
     Manifest,
     ModelIdentity,
     ShardEntry,
     file_entry,
-    write_json_atomic,
+    write_manifest,
 )
-from knnlm_serve.model import check_model_dir, model_fingerprint
+from knnlm_core.errors import CorpusError, DatastoreError, ModelError
+from knnlm_core.files import write_json_atomic
+from knnlm_core.keys import KeyEncoder, encode_windows
+from knnlm_core.model_dir import check_model_dir, model_fingerprint
+from knnlm_core.search import set_nprobe
+from knnlm_core.windows import plan_windows, window_values
+
+logger = logging.getLogger("index_builder")
 
 ADD_BATCH = 65_536
 
@@ -57,8 +66,14 @@ def build_datastore(
     _check_output(output, overwrite)
     files = find_files(inputs)
     work = output.with_name(f".{output.name}.partial")
-    _prepare_workdir(work, files, model_dir, config)
-
+    _prepare_workdir(
+        work,
+        {
+            "files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+            "model": model_fingerprint(model_dir),
+            "config": config.model_dump(mode="json"),
+        },
+    )
     if not (work / MANIFEST).exists():
         try:  # input errors surface here, before any expensive work: leave nothing behind
             corpus = _tokenize(work, files, model_dir, config, progress)
@@ -67,52 +82,86 @@ def build_datastore(
                 raise CorpusError(f"the corpus ({', '.join(map(str, inputs))}) has no text to index")
             if config.shards > plan.entries:
                 raise CorpusError(f"--shards {config.shards} is more than the {plan.entries} entries of this corpus")
-        except CorpusError:
+            encoder = KeyEncoder(model_dir, config.key_type, config.dtype)
+        except (CorpusError, ModelError):
             shutil.rmtree(work)
             raise
         tokens = np.load(work / "tokens.npy", mmap_mode="r")
-        values = window_values(tokens, plan)
-        encoder = KeyEncoder(model_dir, config.key_type, config.dtype)
         encode_rate = _encode(work, tokens, plan, encoder, config, progress)
-        dim, vocab_size = encoder.dim, encoder.model.config.vocab_size
+        model = ModelIdentity(
+            name=model_dir.name,
+            fingerprint=model_fingerprint(model_dir),
+            hidden_size=encoder.dim,
+            vocab_size=encoder.model.config.vocab_size,
+            dtype=config.dtype,
+        )
         del encoder  # free the model's memory before training and adding
-        factory = index_factory_string(config.index, plan.entries, dim, config.pca_dim)
         keys = np.load(work / "keys.npy", mmap_mode="r")
-        train_size = _train(work, keys, factory, config, progress)
-        shards = _add_shards(work, keys, values, config, progress)
-        manifest = Manifest(
-            model=ModelIdentity(
-                name=model_dir.name,
-                fingerprint=model_fingerprint(model_dir),
-                hidden_size=dim,
-                vocab_size=vocab_size,
-                dtype=config.dtype,
-            ),
-            key_type=config.key_type,
-            dim=dim,
-            index=IndexSpec(factory=factory, nprobe=DEFAULT_NPROBE if "IVF" in factory else None, train_size=train_size),
-            entries=plan.entries,
-            shards=shards,
-            corpus=corpus,
-            build=BuildStats(
-                context_length=config.context_length,
-                stride=config.stride,
-                seconds=round(time.monotonic() - started, 2),
-                encode_tokens_per_s=round(encode_rate, 1),
-                created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                tool_version=knnlm_serve.__version__,
-            ),
-        )
-        write_json_atomic(work / MANIFEST, manifest.model_dump(mode="json"))
-    manifest = Manifest.model_validate_json((work / MANIFEST).read_text())
-    _publish(work, output)
-    if progress:
-        print(
-            f"knnlm-index: {output}: {manifest.entries:,} entries in {len(manifest.shards)} shard(s), "
-            f"{manifest.index.factory}, key {manifest.key_type} (dim {manifest.dim}), "
-            f"{manifest.corpus.documents} documents, {manifest.build.seconds:.1f} s"
-        )
-    return manifest
+        stats = {"context_length": config.context_length, "stride": config.stride, "encode_tokens_per_s": encode_rate}
+        _index_keys(work, keys, window_values(tokens, plan), model, config.key_type, config, corpus, stats, started, progress)
+    return _publish(work, output, progress)
+
+
+def build_from_keys(
+    keys: np.ndarray,
+    values: np.ndarray,
+    output: str | Path,
+    model: ModelIdentity,
+    config: BuildConfig = BuildConfig(),
+    *,
+    source: str,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Manifest:
+    """A datastore over keys [N, dim] (array or memmap) and their values [N] computed elsewhere."""
+    started = time.monotonic()
+    output = Path(output).resolve()
+    _check_output(output, overwrite)
+    if len(keys) != len(values) or len(keys) == 0:
+        raise DatastoreError(f"build_from_keys needs as many values as keys, at least one: got {len(keys)} keys, {len(values)} values")
+    work = output.with_name(f".{output.name}.partial")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    corpus = CorpusStats(sources=[source], documents=0, tokens=len(keys))
+    stats = {"context_length": 0, "stride": 0, "encode_tokens_per_s": 0.0}
+    _index_keys(work, keys, np.asarray(values, dtype=np.int32), model, config.key_type, config, corpus, stats, started, progress)
+    return _publish(work, output, progress)
+
+
+def _index_keys(
+    work: Path,
+    keys,
+    values,
+    model: ModelIdentity,
+    key_type: KeyType,
+    config: BuildConfig,
+    corpus: CorpusStats,
+    stats: dict,
+    started: float,
+    progress: bool,
+) -> None:
+    """Train the quantizer, add the shards and write the manifest, each phase resumable in `work`."""
+    factory = index_factory_string(config.index, len(keys), keys.shape[1], config.pca_dim)
+    train_size = _train(work, keys, factory, config, progress)
+    shards = _add_shards(work, keys, values, config, progress)
+    manifest = Manifest(
+        model=model,
+        key_type=key_type,
+        dim=keys.shape[1],
+        index=IndexSpec(factory=factory, nprobe=DEFAULT_NPROBE if "IVF" in factory else None, train_size=train_size),
+        entries=len(keys),
+        shards=shards,
+        corpus=corpus,
+        build=BuildStats(
+            context_length=stats["context_length"],
+            stride=stats["stride"],
+            seconds=round(time.monotonic() - started, 2),
+            encode_tokens_per_s=round(stats["encode_tokens_per_s"], 1),
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            tool_version=knnlm_core.__version__,
+        ),
+    )
+    write_manifest(work, manifest)
 
 
 def _check_output(output: Path, overwrite: bool) -> None:
@@ -124,13 +173,8 @@ def _check_output(output: Path, overwrite: bool) -> None:
         raise DatastoreError(f"{output} exists and is not an empty directory; choose another output or pass --overwrite")
 
 
-def _prepare_workdir(work: Path, files: list[Path], model_dir: Path, config: BuildConfig) -> None:
+def _prepare_workdir(work: Path, identity: dict) -> None:
     """Resume `work` if it holds this very build; start afresh if it holds another one."""
-    identity = {
-        "files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
-        "model": model_fingerprint(model_dir),
-        "config": config.model_dump(mode="json"),
-    }
     build_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     marker = work / "build.json"
     if work.exists():
@@ -155,16 +199,14 @@ def _tokenize(work: Path, files: list[Path], model_dir: Path, config: BuildConfi
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="tokenize", disable=not progress)
     with open(raw, "wb") as out:
         for text in iter_documents(files, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8, skipped=skipped):
-            ids = np.asarray(tokenizer(text).input_ids, dtype=np.int32)
+            ids = token_ids(tokenizer, text)
             out.write(ids.tobytes())
             lengths.append(len(ids))
             bar.update(len(text.encode()))
     bar.close()
-    tokens = np.fromfile(raw, dtype=np.int32)
-    np.save(work / "tokens.npy", tokens)
+    np.save(work / "tokens.npy", np.fromfile(raw, dtype=np.int32))
     raw.unlink()
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+    offsets = doc_offsets(lengths)
     np.save(work / "doc_offsets.npy", offsets)
     stats = CorpusStats(sources=[str(f) for f in files], documents=len(lengths), tokens=int(offsets[-1]), skipped_files=skipped)
     write_json_atomic(stats_file, stats.model_dump(mode="json"))
@@ -180,23 +222,12 @@ def _encode(work: Path, tokens: np.ndarray, plan, encoder: KeyEncoder, config: B
     else:
         keys = np.lib.format.open_memmap(keys_file, mode="w+", dtype=np.float16, shape=(plan.entries, encoder.dim))
         done = 0
-    windows, offsets = plan.windows, plan.entry_offsets
-    starts = range(0, len(windows), config.batch_size)
-    fed = lambda i, j: int((windows[i:j, 2] - windows[i:j, 0]).sum())  # noqa: E731
-    bar = tqdm(total=fed(0, len(windows)), unit="tok", unit_scale=True, desc="encode", disable=not progress)
-    bar.update(fed(0, min(done * config.batch_size, len(windows))))
-    t0, encoded = time.monotonic(), 0
-    for b in range(done, len(starts)):
-        i, j = starts[b], min(starts[b] + config.batch_size, len(windows))
-        batch = [tokens[f:k1] for f, _, k1 in windows[i:j]]
-        for (f, k0, k1), vectors, w in zip(windows[i:j], encoder.encode(batch), range(i, j)):
-            keys[offsets[w] : offsets[w + 1]] = vectors[k0 - f : k1 - f]
+
+    def durable(batch: int) -> None:
         keys.flush()
-        write_json_atomic(progress_file, {"batches_done": b + 1})
-        encoded += fed(i, j)
-        bar.update(fed(i, j))
-    bar.close()
-    return encoded / max(time.monotonic() - t0, 1e-9)
+        write_json_atomic(progress_file, {"batches_done": batch + 1})
+
+    return encode_windows(encoder, tokens, plan, keys, config.batch_size, first_batch=done, after_batch=durable, progress=progress)
 
 
 def _train(work: Path, keys: np.ndarray, factory: str, config: BuildConfig, progress: bool) -> int:
@@ -210,15 +241,13 @@ def _train(work: Path, keys: np.ndarray, factory: str, config: BuildConfig, prog
     rng = np.random.default_rng(config.seed)
     n = min(len(keys), config.train_sample)
     sample = np.asarray(keys[np.sort(rng.choice(len(keys), n, replace=False))], dtype=np.float32)
-    if progress:
-        print(f"train: {factory} on {n:,} keys ...", flush=True)
+    logger.info("train: %s on %s keys ...", factory, f"{n:,}")
     t0 = time.monotonic()
     index = train_index(factory, sample, seed=config.seed)
     faiss.write_index(index, str(work / ".trained.faiss.tmp"))
     os.replace(work / ".trained.faiss.tmp", trained)
     write_json_atomic(work / "trained.json", {"train_size": n})
-    if progress:
-        print(f"train: done in {time.monotonic() - t0:.1f} s", flush=True)
+    logger.info("train: done in %.1f s", time.monotonic() - t0)
     return n
 
 
@@ -242,9 +271,9 @@ def _add_shards(work: Path, keys: np.ndarray, values: np.ndarray, config: BuildC
                 index.add(np.asarray(keys[start:end], dtype=np.float32))
                 bar.update(end - start)
             faiss.write_index(index, str(tmp / "index.faiss"))
-            np.save(tmp / "values.npy", values[lo:hi])
+            np.save(tmp / "values.npy", np.asarray(values[lo:hi], dtype=np.int32))
             if config.keep_keys:
-                np.save(tmp / "keys.npy", np.asarray(keys[lo:hi]))
+                np.save(tmp / "keys.npy", np.asarray(keys[lo:hi], dtype=np.float16))
             os.replace(tmp, final)
         else:
             bar.update(hi - lo)
@@ -261,8 +290,9 @@ def _add_shards(work: Path, keys: np.ndarray, values: np.ndarray, config: BuildC
     return shards
 
 
-def _publish(work: Path, output: Path) -> None:
+def _publish(work: Path, output: Path, progress: bool) -> Manifest:
     """Drop the build's scratch files, then move the finished datastore into place."""
+    manifest = Manifest.model_validate_json((work / MANIFEST).read_text())
     keep = {MANIFEST} | {p.name for p in work.glob("shard-*")}
     for item in work.iterdir():
         if item.name not in keep:
@@ -273,3 +303,15 @@ def _publish(work: Path, output: Path) -> None:
         os.replace(output, old)
     os.replace(work, output)
     shutil.rmtree(old, ignore_errors=True)
+    (logger.info if progress else logger.debug)(
+        "%s: %s entries in %d shard(s), %s, key %s (dim %d), %d documents, %.1f s",
+        output,
+        f"{manifest.entries:,}",
+        len(manifest.shards),
+        manifest.index.factory,
+        manifest.key_type,
+        manifest.dim,
+        manifest.corpus.documents,
+        manifest.build.seconds,
+    )
+    return manifest

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import types
 import typing
 from pathlib import Path
 
-from index_builder.corpus import CorpusError
 from pydantic import ValidationError
 
-from knnlm_serve.config import BuildConfig, validation_message
-from knnlm_serve.datastore import DatastoreError
-from knnlm_serve.model import DEFAULT_MODEL, ModelError, prepare_default_model, resolve_model
+from knnlm_core.config import BuildConfig, validation_message
+from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for
+from knnlm_core.errors import ConfigError, KnnlmError
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, model: type[BuildConfig]) -> None:
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     verify.add_argument("--nprobe", type=int)
 
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO, format="knnlm-index: %(message)s")
     try:
         if args.command == "build":
             from index_builder.build import build_datastore
@@ -66,20 +67,23 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 config = BuildConfig(**overrides)
             except ValidationError as e:
-                raise ValueError(validation_message(e)) from None
-            model_dir = prepare_default_model() if args.model == DEFAULT_MODEL else resolve_model(args.model)
+                raise ConfigError(validation_message(e)) from None
+            model_dir = model_dir_for(args.model)
             build_datastore(args.inputs, Path(args.output), model_dir, config, overwrite=args.overwrite, progress=not args.quiet)
         elif args.command == "inspect":
             from index_builder.verify import inspect_datastore
 
             manifest = inspect_datastore(args.datastore, checksums=not args.no_checksums)
             print(json.dumps(manifest.model_dump(mode="json"), indent=2))
-            print(f"knnlm-index: {args.datastore}: OK ({'checksums verified' if not args.no_checksums else 'checksums not checked'})", file=sys.stderr)
+            print(
+                f"knnlm-index: {args.datastore}: OK ({'checksums verified' if not args.no_checksums else 'checksums not checked'})",
+                file=sys.stderr,
+            )
         elif args.command == "verify":
             from index_builder.verify import verify_datastore
 
             print(json.dumps(verify_datastore(args.datastore, samples=args.samples, nprobe=args.nprobe), indent=2))
-    except (CorpusError, DatastoreError, ModelError, ValueError) as e:
+    except KnnlmError as e:
         sys.exit(f"knnlm-index: error: {e}")
 
 

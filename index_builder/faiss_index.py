@@ -11,7 +11,8 @@ import math
 import faiss
 import numpy as np
 
-from knnlm_serve.shard import gpu_available
+from knnlm_core.errors import ConfigError
+from knnlm_core.search import gpu_available, ivf_of
 
 PRESETS = ("auto", "flat", "ivfpq", "hnsw")
 AUTO_FLAT_BELOW = 100_000  # exact search is fast enough below this many entries
@@ -21,7 +22,7 @@ DEFAULT_NPROBE = 32
 def index_factory_string(preset: str, entries: int, dim: int, pca_dim: int | None = None) -> str:
     """Turn a preset (or a raw FAISS factory string) into a factory string for `entries` keys."""
     if pca_dim is not None and pca_dim >= dim:
-        raise ValueError(f"--pca-dim {pca_dim} must be below the key dimension {dim}")
+        raise ConfigError(f"--pca-dim {pca_dim} must be below the key dimension {dim}")
     d = pca_dim or dim
     prefix = f"PCA{pca_dim}," if pca_dim else ""
     if preset == "auto":
@@ -50,19 +51,10 @@ def train_index(factory: str, sample: np.ndarray, seed: int = 0) -> faiss.Index:
     index = faiss.index_factory(sample.shape[1], factory, faiss.METRIC_L2)
     if index.is_trained:
         return index
-    try:
-        ivf = faiss.extract_index_ivf(index)
+    ivf = ivf_of(index)
+    if ivf is not None:
         ivf.cp.seed = seed
         if gpu_available():
             ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
-    except RuntimeError:
-        pass  # not an IVF index
     index.train(np.ascontiguousarray(sample, dtype=np.float32))
     return index
-
-
-def set_nprobe(index: faiss.Index, nprobe: int) -> None:
-    try:
-        faiss.extract_index_ivf(index).nprobe = nprobe
-    except RuntimeError:
-        pass

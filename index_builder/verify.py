@@ -7,8 +7,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from knnlm_serve.datastore import Manifest, read_manifest, verify_checksums
-from knnlm_serve.shard import ShardSearcher, merge_topk, open_shards
+from knnlm_core.datastore import Manifest, read_manifest, verify_checksums
+from knnlm_core.search import ShardSearcher, ivf_of, merge_topk, open_shards
 
 
 def inspect_datastore(path: str | Path, checksums: bool = True) -> Manifest:
@@ -23,10 +23,9 @@ def stored_keys(root: Path, manifest: Manifest, shard_number: int, searcher: Sha
     shard = manifest.shards[shard_number]
     if shard.keys is not None:
         return np.load(root / shard.keys.path, mmap_mode="r", allow_pickle=False)[ids].astype(np.float32)
-    try:
-        faiss.extract_index_ivf(searcher.index).make_direct_map()
-    except RuntimeError:
-        pass  # not IVF: reconstruct works as is
+    ivf = ivf_of(searcher.index)
+    if ivf is not None:  # IVF lists need a direct map to reconstruct; other indexes reconstruct as is
+        ivf.make_direct_map()
     return np.stack([searcher.index.reconstruct(int(i)) for i in ids])
 
 

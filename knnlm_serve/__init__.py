@@ -1,3 +1,6 @@
-"""knnlm-serve: nearest-neighbour language models (kNN-LM) served through vLLM."""
+"""knnlm_serve: kNN-LM served through vLLM.
 
-__version__ = "0.1.0"
+server/   the API-server process: launcher, datastore registry, admin routes
+engine/   the vLLM seam, in vLLM's worker processes: model wrapper, batch tracking, mix
+eval/     knnlm-eval: perplexity through the serving path
+"""

@@ -13,33 +13,41 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 RETRIEVAL_STEPS = Counter("knnlm_retrieval_steps", "logits computations (steps) that queried a datastore", ["datastore"])
 RETRIEVAL_SECONDS = Histogram(
-    "knnlm_retrieval_seconds", "one step's retrieval for one datastore: fan-out, search, merge", ["datastore"],
+    "knnlm_retrieval_seconds",
+    "one step's retrieval for one datastore: fan-out, search, merge",
+    ["datastore"],
     buckets=_LATENCY_BUCKETS,
 )
 INTERPOLATION_SECONDS = Histogram(
-    "knnlm_interpolation_seconds", "one step's p_kNN scatter and log-space mix for one datastore", ["datastore"],
+    "knnlm_interpolation_seconds",
+    "one step's p_kNN scatter and log-space mix for one datastore",
+    ["datastore"],
     buckets=_LATENCY_BUCKETS,
 )
 SHARD_SEARCH_SECONDS = Histogram(
     "knnlm_shard_search_seconds", "search time inside one shard", ["datastore", "shard"], buckets=_LATENCY_BUCKETS
 )
 SLOWEST_SHARD_SECONDS = Histogram(
-    "knnlm_slowest_shard_search_seconds", "per step, the search time of the slowest shard (the fan-out waits for it)",
-    ["datastore"], buckets=_LATENCY_BUCKETS,
+    "knnlm_slowest_shard_search_seconds",
+    "per step, the search time of the slowest shard (the fan-out waits for it)",
+    ["datastore"],
+    buckets=_LATENCY_BUCKETS,
 )
 QUERIES = Counter("knnlm_queries", "query vectors sent to a datastore", ["datastore"])
 NEIGHBOURS = Counter("knnlm_neighbours", "neighbours retrieved (k per query)", ["datastore"])
-FALLBACKS = Counter(
-    "knnlm_fallbacks", "rows served with fewer shards or LM-only, by reason", ["datastore", "reason"]
-)
+FALLBACKS = Counter("knnlm_fallbacks", "rows served with fewer shards or LM-only, by reason", ["datastore", "reason"])
 REQUESTS = Counter("knnlm_requests", "requests admitted, by datastore ('none' = kNN off)", ["datastore"])
 DATASTORE_INFO = Gauge(
-    "knnlm_datastore_info", "serving datastores (value 1)", ["datastore", "version", "entries", "shards", "key_type"],
+    "knnlm_datastore_info",
+    "serving datastores (value 1)",
+    ["datastore", "version", "entries", "shards", "key_type"],
     multiprocess_mode="mostrecent",
 )
 SWAPS = Counter("knnlm_swaps", "datastore loads and hot-swaps, by result", ["datastore", "result"])
 SWAP_SECONDS = Histogram(
-    "knnlm_swap_seconds", "load, check and switch of one datastore version", ["datastore"],
+    "knnlm_swap_seconds",
+    "load, check and switch of one datastore version",
+    ["datastore"],
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 SHARD_RESTARTS = Counter("knnlm_shard_restarts", "shard actors that Ray restarted", ["datastore", "shard"])

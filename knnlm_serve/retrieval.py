@@ -14,14 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_serve.config import KnnConfig
-from knnlm_serve.datastore import read_manifest
+from knnlm_core.config import KnnConfig
+from knnlm_core.datastore import read_manifest
+from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_core.search import ShardSearcher, gpu_available, merge_topk
 from knnlm_serve.runtime import DatastoreInfo
-from knnlm_serve.shard import ShardSearcher, gpu_available, merge_topk
 
 
-class RetrievalError(RuntimeError):
+class RetrievalError(KnnlmError):
     """A search that produced no usable answer; `reason` labels the fallback metric."""
+
+    kind = ErrorKind.UNAVAILABLE
 
     def __init__(self, message: str, reason: str):
         super().__init__(message)
@@ -50,11 +53,10 @@ class LocalRetriever:
         self._shards: dict[tuple[str, int], list[ShardSearcher]] = {}
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None) -> SearchResult:
-        key = (info.name, info.version)
-        if key not in self._shards:
+        if info.key not in self._shards:
             manifest = read_manifest(info.path)
-            self._shards[key] = [ShardSearcher(Path(info.path), s, use_gpu=self.gpu) for s in manifest.shards]
-        answers = {s.name: _timed_search(s, queries, k, nprobe) for s in self._shards[key]}
+            self._shards[info.key] = [ShardSearcher(Path(info.path), s, use_gpu=self.gpu) for s in manifest.shards]
+        answers = {s.name: _timed_search(s, queries, k, nprobe) for s in self._shards[info.key]}
         distances, tokens = merge_topk([(d, t) for d, t, _ in answers.values()], k)
         return SearchResult(distances, tokens, {name: a[2] for name, a in answers.items()})
 
@@ -94,10 +96,16 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list:
 
     use_gpu = knn.gpu if knn.gpu is not None else gpu_available()
     actors = [
-        ray.remote(ShardActor).options(
-            name=actor_name(info, shard), namespace=knn.ray_namespace, get_if_exists=True, max_restarts=-1,
-            num_cpus=0, num_gpus=knn.gpu_fraction if use_gpu else 0,
-        ).remote(info.path, shard, use_gpu, knn.shard_threads)
+        ray.remote(ShardActor)
+        .options(
+            name=actor_name(info, shard),
+            namespace=knn.ray_namespace,
+            get_if_exists=True,
+            max_restarts=-1,
+            num_cpus=0,
+            num_gpus=knn.gpu_fraction if use_gpu else 0,
+        )
+        .remote(info.path, shard, use_gpu, knn.shard_threads)
         for shard in info.shards
     ]
     ray.get([a.describe.remote() for a in actors])
@@ -118,10 +126,9 @@ class RayRetriever:
     def _handles(self, info: DatastoreInfo) -> list:
         import ray
 
-        key = (info.name, info.version)
-        if key not in self._actors:
-            self._actors[key] = [ray.get_actor(actor_name(info, s), namespace=self.knn.ray_namespace) for s in info.shards]
-        return self._actors[key]
+        if info.key not in self._actors:
+            self._actors[info.key] = [ray.get_actor(actor_name(info, s), namespace=self.knn.ray_namespace) for s in info.shards]
+        return self._actors[info.key]
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None) -> SearchResult:
         import ray

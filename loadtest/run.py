@@ -17,15 +17,14 @@ import contextlib
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
+
+from knnlm_serve.server.process import metric_total, scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 WIKITEXT = ROOT.parent / "shared/data/wikitext-2/test.txt"
@@ -38,7 +37,7 @@ def prompts_file(path: Path, count: int, words: int) -> str:
         text = WIKITEXT.read_text().replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
         source = "wikitext-2 test"
     else:
-        from knnlm_serve.default_datastore import stdlib_documents
+        from index_builder.default_datastore import stdlib_documents
 
         text, source = "\n".join(stdlib_documents().values()), "python stdlib docs"
     tokens = [w for w in text.split() if not w.startswith("=")]
@@ -49,45 +48,70 @@ def prompts_file(path: Path, count: int, words: int) -> str:
     return source
 
 
-def scrape(base_url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
-def metric_total(values: dict[str, float], pattern: str) -> float:
-    regex = re.compile(pattern)
-    return sum(v for k, v in values.items() if regex.match(k))
-
-
-def run_benchmark(base_url: str, model: str, tokenizer: str, dataset: str, *, concurrency: int | None, rate: float | None,
-                  num_prompts: int, output_len: int, xargs: dict, result_dir: Path, label: str) -> dict:
+def run_benchmark(
+    base_url: str,
+    model: str,
+    tokenizer: str,
+    dataset: str,
+    *,
+    concurrency: int | None,
+    rate: float | None,
+    num_prompts: int,
+    output_len: int,
+    xargs: dict,
+    result_dir: Path,
+    label: str,
+) -> dict:
     """One `vllm bench serve` run in this process, with the server's counters scraped around it."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argv = [
-        "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
-        "--tokenizer", tokenizer,
-        "--dataset-name", "custom", "--dataset-path", dataset, "--skip-chat-template",
-        "--num-prompts", str(num_prompts), "--custom-output-len", str(output_len), "--ignore-eos",
-        "--temperature", "0", "--extra-body", json.dumps({"vllm_xargs": xargs}),
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", PERCENTILES,
-        "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{label}.json",
-        "--request-rate", str(rate) if rate else "inf", "--disable-tqdm",
+        "--backend",
+        "openai",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        dataset,
+        "--skip-chat-template",
+        "--num-prompts",
+        str(num_prompts),
+        "--custom-output-len",
+        str(output_len),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--extra-body",
+        json.dumps({"vllm_xargs": xargs}),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        PERCENTILES,
+        "--save-result",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        f"{label}.json",
+        "--request-rate",
+        str(rate) if rate else "inf",
+        "--disable-tqdm",
     ]
     if concurrency:
         argv += ["--max-concurrency", str(concurrency)]
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
     args = parser.parse_args(argv)
-    before = scrape(base_url)
+    before = scrape_metrics(base_url)
     result = main(args)
-    after = scrape(base_url)
+    after = scrape_metrics(base_url)
 
     def delta(pattern: str) -> float:
         return metric_total(after, pattern) - metric_total(before, pattern)
@@ -112,20 +136,26 @@ def run_benchmark(base_url: str, model: str, tokenizer: str, dataset: str, *, co
         "interpolation": 1e3 * server["knn_interpolation_seconds"] / steps,
     }
     server["requests_match_1pct"] = abs(server["requests"] - result["completed"]) <= 0.01 * max(1, result["completed"])
-    server["tokens_match_1pct"] = abs(server["output_tokens"] - result["total_output_tokens"]) <= 0.01 * max(1, result["total_output_tokens"])
+    server["tokens_match_1pct"] = abs(server["output_tokens"] - result["total_output_tokens"]) <= 0.01 * max(
+        1, result["total_output_tokens"]
+    )
     keep = {k: v for k, v in result.items() if not isinstance(v, list)}
-    return {**keep, "label": label, "knn": xargs["knn"], "xargs": xargs, "concurrency": concurrency, "rate": rate,
-            "server": server}
+    return {**keep, "label": label, "knn": xargs["knn"], "xargs": xargs, "concurrency": concurrency, "rate": rate, "server": server}
 
 
 def admin(base_url: str, token: str, method: str, route: str, body: dict | None = None) -> dict:
-    request = urllib.request.Request(f"{base_url}/v1/knn{route}", method=method, headers={
-        "X-Admin-Token": token, "Content-Type": "application/json"}, data=json.dumps(body).encode() if body else None)
+    request = urllib.request.Request(
+        f"{base_url}/v1/knn{route}",
+        method=method,
+        headers={"X-Admin-Token": token, "Content-Type": "application/json"},
+        data=json.dumps(body).encode() if body else None,
+    )
     return json.loads(urllib.request.urlopen(request, timeout=300).read())
 
 
 def during(delay_s: float, action, record: dict) -> threading.Thread:
     """Run `action` once, `delay_s` into the next run (hot-swap / shard-kill); note what happened."""
+
     def fire():
         time.sleep(delay_s)
         start = time.monotonic()
@@ -135,6 +165,7 @@ def during(delay_s: float, action, record: dict) -> threading.Thread:
         except Exception as e:  # noqa: BLE001 - reported, not raised: the run goes on
             record.update(ok=False, error=repr(e))
         record.update(at_s=delay_s, took_s=round(time.monotonic() - start, 2))
+
     thread = threading.Thread(target=fire, daemon=True)
     thread.start()
     return thread
@@ -156,7 +187,7 @@ def swap_root(config: Path, swap_to: str) -> Path:
     """The datastore root the started server needs so the mid-run hot-swap is allowed."""
     import yaml
 
-    from knnlm_serve.model import cache_dir
+    from knnlm_core.model_dir import cache_dir
 
     if swap_to not in ("default", "none"):
         return Path(swap_to).resolve().parent
@@ -167,38 +198,20 @@ def swap_root(config: Path, swap_to: str) -> Path:
 
 
 @contextlib.contextmanager
-def started_server(config: Path, port: int, admin_token: str, datastore_root: Path, log_dir: Path,
-                   extra_datastores: dict[str, str]):
+def started_server(config: Path, admin_token: str, datastore_root: Path, log_dir: Path, extra_datastores: dict[str, str]):
     import yaml
 
+    from knnlm_core.default_model import resolve_model
+    from knnlm_serve.server.process import RunningServer
+
     settings = yaml.safe_load(config.read_text())
-    settings["port"] = port
     # Off and on runs replay the same prompts: without this the second run would hit the prefix cache.
     settings["vllm_args"] = [*settings.get("vllm_args", []), "--no-enable-prefix-caching"]
     knn = settings.setdefault("knn", {})
     knn.update(admin_token=admin_token, datastore_root=str(datastore_root))
     knn["datastores"] = {**knn.get("datastores", {}), **extra_datastores}
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(settings, f)
-    log = open(log_dir / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "knnlm_serve.cli", "--config", f.name],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(900):
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {log.name}")
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(f"{base_url}/v1/models", timeout=2)
-                break
-            time.sleep(1)
-        from knnlm_serve.model import resolve_model
-
-        yield base_url, settings.get("served_model_name") or "default", str(resolve_model(settings.get("model", "default")))
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)
-        proc.wait(timeout=60)
+    with RunningServer(settings, log_dir) as server:
+        yield server.base_url, settings.get("served_model_name") or "default", str(resolve_model(settings.get("model", "default")))
 
 
 def plots(runs: list[dict], out: Path) -> None:
@@ -229,21 +242,30 @@ def plots(runs: list[dict], out: Path) -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Load test ({report['created']}, {report['machine']})", "",
-             f"Server: {report['server']}; prompts: {report['prompt_source']}, {report['prompt_words']} words, "
-             f"{report['output_len']} output tokens, streaming.", "",
-             "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | kNN share of wall | kNN ms/step: slowest shard / Ray+merge / mix | server counters match |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = [
+        f"# Load test ({report['created']}, {report['machine']})",
+        "",
+        f"Server: {report['server']}; prompts: {report['prompt_source']}, {report['prompt_words']} words, "
+        f"{report['output_len']} output tokens, streaming.",
+        "",
+        "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | kNN share of wall | kNN ms/step: slowest shard / Ray+merge / mix | server counters match |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
     for r in report["runs"]:
         s = r["server"]
-        label = r["label"] + (f" ({r['event']['event']} at {r['event']['at_s']:g} s: {'ok' if r['event'].get('ok') else r['event'].get('error')})" if "event" in r else "")
+        label = r["label"] + (
+            f" ({r['event']['event']} at {r['event']['at_s']:g} s: {'ok' if r['event'].get('ok') else r['event'].get('error')})"
+            if "event" in r
+            else ""
+        )
         lines.append(
             f"| {label} | {'on' if r['knn'] else 'off'} | {r['concurrency'] or '-'} | {r['rate'] or '-'} | "
             f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | {r['p50_ttft_ms']:.0f}/{r['p99_ttft_ms']:.0f} | "
             f"{r['p50_itl_ms']:.0f}/{r['p99_itl_ms']:.0f} | {r['p50_e2el_ms']:.0f}/{r['p99_e2el_ms']:.0f} | {r['failed']} | "
             f"{s['retrieval_share_of_wall']:.1%} | "
             + (" / ".join(f"{v:.1f}" for v in s["ms_per_step"].values()) if s["knn_steps"] else "-")
-            + f" | {'yes' if s['requests_match_1pct'] and s['tokens_match_1pct'] else 'NO'} |")
+            + f" | {'yes' if s['requests_match_1pct'] and s['tokens_match_1pct'] else 'NO'} |"
+        )
     lines += ["", "| level | throughput on/off | ITL p50 on/off | E2E p99 on/off |", "|---:|---:|---:|---:|"]
     for c, ratio in report["on_off_ratios"].items():
         lines.append(f"| {c} | {ratio['throughput']:.3f} | {ratio['p50_itl']:.3f} | {ratio['p99_e2el']:.3f} |")
@@ -263,14 +285,21 @@ def main() -> None:
     parser.add_argument("--prompts-per-level", type=int, default=2, help="requests per run = this x concurrency (min 8)")
     parser.add_argument("--prompt-words", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--swap-to", default="default",
-                        help="datastore directory to hot-swap the default name to mid-run; 'default' = a new version "
-                             "of the serving one; 'none' = no swap")
-    parser.add_argument("--no-kill-shard", dest="kill_shard", action="store_false",
-                        help="skip killing one shard actor in the middle of a run")
-    parser.add_argument("--datastore", action="append", default=[], metavar="NAME=PATH",
-                        help="also serve this datastore and run kNN-on at the top concurrency against it "
-                             "(shard-count and size scenarios); repeatable")
+    parser.add_argument(
+        "--swap-to",
+        default="default",
+        help="datastore directory to hot-swap the default name to mid-run; 'default' = a new version of the serving one; 'none' = no swap",
+    )
+    parser.add_argument(
+        "--no-kill-shard", dest="kill_shard", action="store_false", help="skip killing one shard actor in the middle of a run"
+    )
+    parser.add_argument(
+        "--datastore",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also serve this datastore and run kNN-on at the top concurrency against it (shard-count and size scenarios); repeatable",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "loadtest/results")
     args = parser.parse_args()
 
@@ -285,20 +314,30 @@ def main() -> None:
         if args.base_url:
             base_url, model, tokenizer = args.base_url, args.model, args.tokenizer
         else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            print(f"loadtest: starting knnlm-serve ({args.config}) on port {port} ...", flush=True)
+            print(f"loadtest: starting knnlm-serve ({args.config}) ...", flush=True)
             root = swap_root(args.config, args.swap_to)
-            base_url, model, tokenizer = stack.enter_context(started_server(args.config, port, args.admin_token, root, out, extra))
+            base_url, model, tokenizer = stack.enter_context(started_server(args.config, args.admin_token, root, out, extra))
         runs = []
 
         def run(label, knn, concurrency=None, rate=None, prompts=None, datastore=None):
             n = prompts or max(8, args.prompts_per_level * (concurrency or 8))
             xargs = {"knn": knn, **({"knn_datastore": datastore} if datastore else {})}
             print(f"loadtest: {label}: {xargs}, concurrency {concurrency}, rate {rate}, {n} requests", flush=True)
-            runs.append(run_benchmark(base_url, model, tokenizer, dataset, concurrency=concurrency, rate=rate, num_prompts=n,
-                                      output_len=args.output_len, xargs=xargs, result_dir=out / "runs", label=label))
+            runs.append(
+                run_benchmark(
+                    base_url,
+                    model,
+                    tokenizer,
+                    dataset,
+                    concurrency=concurrency,
+                    rate=rate,
+                    num_prompts=n,
+                    output_len=args.output_len,
+                    xargs=xargs,
+                    result_dir=out / "runs",
+                    label=label,
+                )
+            )
 
         for c in args.concurrency:  # off and on back to back at each level: machine noise hits both
             for knn in (False, True):
@@ -315,8 +354,12 @@ def main() -> None:
             listing = admin(base_url, args.admin_token, "GET", "/datastores")
             name = listing["default"]
             target = next(d["path"] for d in listing["datastores"] if d["name"] == name) if args.swap_to == "default" else args.swap_to
-            events.append(({"event": "hot-swap", "to": target}, lambda: admin(
-                base_url, args.admin_token, "POST", "/datastores", {"name": name, "path": str(Path(target).resolve())})))
+            events.append(
+                (
+                    {"event": "hot-swap", "to": target},
+                    lambda: admin(base_url, args.admin_token, "POST", "/datastores", {"name": name, "path": str(Path(target).resolve())}),
+                )
+            )
         if args.kill_shard:
             events.append(({"event": "shard-kill"}, lambda: kill_one_shard(base_url, args.admin_token)))
         for record, action in events:
@@ -328,15 +371,28 @@ def main() -> None:
     ratios = {}
     for c in args.concurrency:
         on, off = (next(r for r in runs if r["label"] == f"c{c}-{m}") for m in ("on", "off"))
-        ratios[c] = {"throughput": on["output_throughput"] / off["output_throughput"],
-                     "p50_itl": on["p50_itl_ms"] / off["p50_itl_ms"], "p99_e2el": on["p99_e2el_ms"] / off["p99_e2el_ms"]}
+        ratios[c] = {
+            "throughput": on["output_throughput"] / off["output_throughput"],
+            "p50_itl": on["p50_itl_ms"] / off["p50_itl_ms"],
+            "p99_e2el": on["p99_e2el_ms"] / off["p99_e2el_ms"],
+        }
     for name in extra:
         on, off = (next(r for r in runs if r["label"] == f"c{c}-{m}") for m in (name, f"off-before-{name}"))
-        ratios[f"c{c} {name}"] = {"throughput": on["output_throughput"] / off["output_throughput"],
-                                  "p50_itl": on["p50_itl_ms"] / off["p50_itl_ms"], "p99_e2el": on["p99_e2el_ms"] / off["p99_e2el_ms"]}
-    report = {"created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": f"{os.cpu_count()} CPU cores, no GPU",
-              "server": args.base_url or str(args.config), "prompt_source": source, "prompt_words": args.prompt_words,
-              "output_len": args.output_len, "runs": runs, "on_off_ratios": ratios}
+        ratios[f"c{c} {name}"] = {
+            "throughput": on["output_throughput"] / off["output_throughput"],
+            "p50_itl": on["p50_itl_ms"] / off["p50_itl_ms"],
+            "p99_e2el": on["p99_e2el_ms"] / off["p99_e2el_ms"],
+        }
+    report = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{os.cpu_count()} CPU cores, no GPU",
+        "server": args.base_url or str(args.config),
+        "prompt_source": source,
+        "prompt_words": args.prompt_words,
+        "output_len": args.output_len,
+        "runs": runs,
+        "on_off_ratios": ratios,
+    }
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
     plots(runs, out)

@@ -8,7 +8,7 @@ import inspect
 import pytest
 import yaml
 
-from conftest import RunningServer
+from knnlm_serve.server.process import RunningServer
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +24,9 @@ def test_default_datastore_pulls_completions_onto_the_documentation(default_serv
     client = default_server.openai_client()
 
     def complete(xargs):
-        result = client.completions.create(model="smollm2", prompt="heapq.heappush\n\n", max_tokens=24, temperature=0,
-                                           extra_body={"vllm_xargs": xargs})
+        result = client.completions.create(
+            model="smollm2", prompt="heapq.heappush\n\n", max_tokens=24, temperature=0, extra_body={"vllm_xargs": xargs}
+        )
         return result.choices[0].text.strip()
 
     plain, knn = complete({"knn": False}), complete({"knn_lambda": 0.9})

@@ -9,18 +9,29 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import make_tiny_llama
-from index_builder.build import build_datastore
-from index_builder.encode import KeyEncoder
-from knnlm_serve.config import BuildConfig
-from knnlm_serve.datastore import read_manifest
-from knnlm_serve.eval import EvalConfig, evaluate, load_eval_text, write_report
-from knnlm_serve.eval_cli import main as eval_main
-from knnlm_serve.shard import merge_topk, open_shards
 
-CONFIG = EvalConfig(context_length=128, stride=64, ks=(4, 16), temperatures=(1.0, 10.0), lambdas=(0.0, 0.25, 0.5, 0.9),
-                    fractions=(0.5,), exact=True, kv_cache_gib=0.25, progress=False)
+from index_builder.build import build_datastore
+from knnlm_core.config import BuildConfig, EvalConfig
+from knnlm_core.datastore import read_manifest
+from knnlm_core.keys import KeyEncoder
+from knnlm_core.search import merge_topk, open_shards
+from knnlm_serve.eval.cli import main as eval_main
+from knnlm_serve.eval.report import write_report
+from knnlm_serve.eval.run import evaluate
+from knnlm_serve.eval.text import load_eval_text
+
+CONFIG = EvalConfig(
+    context_length=128,
+    stride=64,
+    ks=(4, 16),
+    temperatures=(1.0, 10.0),
+    lambdas=(0.0, 0.25, 0.5, 0.9),
+    fractions=(0.5,),
+    exact=True,
+    kv_cache_gib=0.25,
+    progress=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +88,12 @@ def test_knn_perplexity_through_vllm_equals_numpy_from_the_same_neighbours(run, 
     text = load_eval_text([texts / "heldout.txt"], tiny_model_dir, CONFIG)
     # The plugin's queries (ffn_input of the same windows), searched directly in the datastore's shards.
     encoder = KeyEncoder(tiny_model_dir, "ffn_input", "float32")
-    keys = np.concatenate([v[k0 - f : k1 - f] for (f, k0, k1), v in
-                           zip(text.plan.windows, encoder.encode([text.tokens[f:k1] for f, _, k1 in text.plan.windows]))])
+    keys = np.concatenate(
+        [
+            v[k0 - f : k1 - f]
+            for (f, k0, k1), v in zip(text.plan.windows, encoder.encode([text.tokens[f:k1] for f, _, k1 in text.plan.windows]))
+        ]
+    )
     root = datastores["flat"]
     distances, tokens = merge_topk([s.search(keys, k, None) for s in open_shards(root, read_manifest(root))], k)
     weights = np.exp(-(distances - distances[:, :1]) / tau)
@@ -108,8 +123,15 @@ def test_sweep_tunes_on_the_tuning_part_only_and_writes_the_report(run, tmp_path
     adaptive = run.summary["adaptive"]
     assert adaptive["lambda_max"] in CONFIG.lambdas and np.isfinite(adaptive["report_ppl"])
     written = write_report(run, tmp_path, per_token=True)
-    assert {p.name for p in written} >= {"results.json", "results.md", "ppl_vs_lambda.png", "ppl_vs_temperature.png",
-                                         "ppl_vs_fraction.png", "variants.png", "tokens.npz"}
+    assert {p.name for p in written} >= {
+        "results.json",
+        "results.md",
+        "ppl_vs_lambda.png",
+        "ppl_vs_temperature.png",
+        "ppl_vs_fraction.png",
+        "variants.png",
+        "tokens.npz",
+    }
     assert json.loads((tmp_path / "results.json").read_text())["text"]["report_tokens"] == int((~run.arrays["tune"]).sum())
     assert "served through vLLM" in (tmp_path / "results.md").read_text()
 
@@ -136,19 +158,31 @@ def test_text_shorter_than_one_window_is_refused(datastores, tiny_model_dir, tmp
 def test_datastore_for_another_model_is_refused_with_exit_code_1(datastores, texts, tiny_model_dir, tmp_path):
     other = make_tiny_llama(tmp_path / "other-model", tiny_model_dir, seed=1)
     result = subprocess.run(
-        [sys.executable, "-m", "knnlm_serve.eval_cli", str(texts / "heldout.txt"), "--datastore", f"d={datastores['flat']}",
-         "--model", str(other), "--context-length", "128", "--stride", "64"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "knnlm_serve.eval.cli",
+            str(texts / "heldout.txt"),
+            "--datastore",
+            f"d={datastores['flat']}",
+            "--model",
+            str(other),
+            "--context-length",
+            "128",
+            "--stride",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("knnlm-eval: error: datastore 'd'") and "was built for model" in last
 
 
-def test_evaluation_leaves_no_runtime_in_the_environment(run):
-    """Processes started after an evaluation (a plain server, say) must not inherit its kNN runtime."""
+def test_evaluation_leaves_no_plugin_switch_in_the_environment(run):
+    """Processes started after an evaluation (a plain server, say) must not inherit its kNN switch."""
     import os
 
-    from knnlm_serve.runtime import CONFIG_ENV
-
-    assert CONFIG_ENV not in os.environ
+    assert "knnlm" not in os.environ.get("VLLM_PLUGINS", "").split(",")

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from index_builder.build import build_datastore
-from index_builder.encode import plan_windows
 from index_builder.verify import verify_datastore
-from knnlm_serve.config import BuildConfig
-from knnlm_serve.datastore import read_manifest
-from knnlm_serve.shard import merge_topk, open_shards
+from knnlm_core.config import BuildConfig
+from knnlm_core.datastore import read_manifest
+from knnlm_core.search import merge_topk, open_shards
+from knnlm_core.windows import plan_windows
 
 STDLIB_MODULES = ("json", "textwrap", "argparse", "heapq", "bisect", "shlex")
 
@@ -116,15 +116,31 @@ def knnlm_index(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
 
 def test_killed_build_resumes_to_the_same_datastore(corpus, tiny_model_dir, tmp_path):
     big = write_corpus(tmp_path / "big", STDLIB_MODULES + ("collections", "functools", "typing", "inspect"))
-    args = ["build", str(big), "--model", str(tiny_model_dir), "--context-length", "64", "--stride", "32",
-            "--batch-size", "1", "--shards", "2", "--index", "flat", "--quiet"]
+    args = [
+        "build",
+        str(big),
+        "--model",
+        str(tiny_model_dir),
+        "--context-length",
+        "64",
+        "--stride",
+        "32",
+        "--batch-size",
+        "1",
+        "--shards",
+        "2",
+        "--index",
+        "flat",
+        "--quiet",
+    ]
     reference = knnlm_index(*args, "-o", str(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr
 
     out = tmp_path / "resumed"
     progress_file = tmp_path / ".resumed.partial" / "encode.json"
-    proc = subprocess.Popen([sys.executable, "-m", "index_builder.cli", *args, "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "index_builder.cli", *args, "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if progress_file.exists() and json.loads(progress_file.read_text())["batches_done"] >= 3:

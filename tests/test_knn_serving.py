@@ -7,10 +7,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import openai
 import pytest
+from conftest import TINY_SERVER
 
-from conftest import TINY_SERVER, RunningServer
 from index_builder.build import build_datastore
-from knnlm_serve.config import BuildConfig
+from knnlm_core.config import BuildConfig
+from knnlm_serve.server.process import RunningServer
 
 pytestmark = pytest.mark.slow
 
@@ -36,16 +37,26 @@ def knn_server(tiny_model_dir, tmp_path_factory):
     for name, text, shards in (("a", TEXT_A, 1), ("a3", TEXT_A, 3), ("b", TEXT_B, 1)):
         (work / f"{name}.txt").write_text(text)
         build_datastore([work / f"{name}.txt"], work / name, tiny_model_dir, config.model_copy(update={"shards": shards}), progress=False)
-    knn = {"datastores": {n: str(work / n) for n in ("a", "a3", "b")}, "default_datastore": "a", "k": K, "max_k": 64, "lambda": 0.25,
-           # λ ≈ 1 when the nearest key is (almost) the query itself, ≈ 0 far away
-           "adaptive_lambda": {"b": {"lambda_max": 1.0, "slope": 1.0, "center": 20.0}}}
+    knn = {
+        "datastores": {n: str(work / n) for n in ("a", "a3", "b")},
+        "default_datastore": "a",
+        "k": K,
+        "max_k": 64,
+        "lambda": 0.25,
+        # λ ≈ 1 when the nearest key is (almost) the query itself, ≈ 0 far away
+        "adaptive_lambda": {"b": {"lambda_max": 1.0, "slope": 1.0, "center": 20.0}},
+    }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
         yield server
 
 
 def complete(server, prompt, max_tokens=16, **xargs):
     result = server.openai_client().completions.create(
-        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
+        model="tiny",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
         extra_body={"vllm_xargs": xargs, "return_token_ids": True},
     )
     return result.choices[0]
@@ -77,7 +88,12 @@ def test_knn_off_and_lambda_zero_equal_plain_vllm(knn_server, plain_tiny_server,
 
 def prompt_logprobs(server, prompt, **xargs):
     result = server.openai_client().completions.create(
-        model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
+        model="tiny",
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=1,
         extra_body={"vllm_xargs": xargs},
     )
     return np.array(result.choices[0].logprobs.token_logprobs[1:-1], dtype=np.float64)
@@ -139,7 +155,12 @@ def test_streaming_with_vllm_xargs_and_logprobs(knn_server, token_ids):
     ids = token_ids["b"]
     n = prefix_length(ids)
     stream = knn_server.openai_client().completions.create(
-        model="tiny", prompt=ids[:n], max_tokens=12, temperature=0, stream=True, logprobs=1,
+        model="tiny",
+        prompt=ids[:n],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        logprobs=1,
         extra_body={"vllm_xargs": {"knn_datastore": "b", "knn_lambda": 1.0}},
     )
     chunks = list(stream)
@@ -151,7 +172,10 @@ def test_streaming_with_vllm_xargs_and_logprobs(knn_server, token_ids):
 
 def test_chat_completions_accept_knn_xargs(knn_server):
     result = knn_server.openai_client().chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": PREFIX}], max_tokens=5, temperature=0,
+        model="tiny",
+        messages=[{"role": "user", "content": PREFIX}],
+        max_tokens=5,
+        temperature=0,
         extra_body={"vllm_xargs": {"knn_lambda": 0.5}},
     )
     assert result.choices[0].message.content is not None and result.usage.completion_tokens >= 1

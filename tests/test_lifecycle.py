@@ -5,15 +5,15 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import pytest
 import requests
+from conftest import TINY_SERVER, make_tiny_llama
 
-from conftest import TINY_SERVER, RunningServer, make_tiny_llama
 from index_builder.build import build_datastore
-from knnlm_serve.config import BuildConfig
+from knnlm_core.config import BuildConfig
+from knnlm_serve.server.process import RunningServer, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +46,14 @@ def root(tiny_model_dir, tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, root):
-    knn = {"datastores": {"main": str(root / "a")}, "k": 8, "lambda": 1.0, "admin_token": TOKEN,
-           "datastore_root": str(root), "shard_timeout_s": 3.0}
+    knn = {
+        "datastores": {"main": str(root / "a")},
+        "k": 8,
+        "lambda": 1.0,
+        "admin_token": TOKEN,
+        "datastore_root": str(root),
+        "shard_timeout_s": 3.0,
+    }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
         yield server
 
@@ -58,7 +64,10 @@ def ids(tiny_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prefix = tokenizer(PREFIX).input_ids
-    return {"prompt": prefix, **{k: tokenizer(t).input_ids[len(prefix): len(prefix) + CONTINUATION] for k, t in (("a", TEXT_A), ("b", TEXT_B))}}
+    return {
+        "prompt": prefix,
+        **{k: tokenizer(t).input_ids[len(prefix) : len(prefix) + CONTINUATION] for k, t in (("a", TEXT_A), ("b", TEXT_B))},
+    }
 
 
 def admin(server, method, route, token=TOKEN, **body):
@@ -67,21 +76,22 @@ def admin(server, method, route, token=TOKEN, **body):
 
 
 def complete(server, prompt, **xargs):
-    choice = server.openai_client().completions.create(
-        model="tiny", prompt=prompt, max_tokens=CONTINUATION, temperature=0,
-        extra_body={"vllm_xargs": xargs, "return_token_ids": True},
-    ).choices[0]
+    choice = (
+        server.openai_client()
+        .completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=CONTINUATION,
+            temperature=0,
+            extra_body={"vllm_xargs": xargs, "return_token_ids": True},
+        )
+        .choices[0]
+    )
     return choice.token_ids
 
 
 def scrape(server) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{server.base_url}/metrics").read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("knnlm_"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
-    return values
+    return scrape_metrics(server.base_url)
 
 
 def total(values: dict[str, float], prefix: str) -> float:
@@ -96,10 +106,16 @@ def test_metrics_count_every_knn_step(server, ids):
     # Batch of one, no prompt logprobs: one retrieval step per generated token.
     steps = total(after, 'knnlm_retrieval_steps_total{datastore="main"}') - total(before, 'knnlm_retrieval_steps_total{datastore="main"}')
     assert steps == 3 * CONTINUATION
-    assert total(after, 'knnlm_neighbours_total{datastore="main"}') - total(before, 'knnlm_neighbours_total{datastore="main"}') == 3 * CONTINUATION * 8
+    assert (
+        total(after, 'knnlm_neighbours_total{datastore="main"}') - total(before, 'knnlm_neighbours_total{datastore="main"}')
+        == 3 * CONTINUATION * 8
+    )
     assert total(after, 'knnlm_requests_total{datastore="main"}') - total(before, 'knnlm_requests_total{datastore="main"}') == 3
-    assert after['knnlm_datastore_info{datastore="main",entries="%d",key_type="ffn_input",shards="2",version="1"}' % server_entries(server)] == 1
-    latency_sum = total(after, 'knnlm_retrieval_seconds_sum{datastore="main"}') - total(before, 'knnlm_retrieval_seconds_sum{datastore="main"}')
+    entries = server_entries(server)
+    assert after[f'knnlm_datastore_info{{datastore="main",entries="{entries}",key_type="ffn_input",shards="2",version="1"}}'] == 1
+    latency_sum = total(after, 'knnlm_retrieval_seconds_sum{datastore="main"}') - total(
+        before, 'knnlm_retrieval_seconds_sum{datastore="main"}'
+    )
     assert 0 < latency_sum / steps < 1.0  # seconds per step: positive and plausible
     assert total(after, "knnlm_shard_search_seconds_count") > 0
 
@@ -146,7 +162,11 @@ def test_swap_twice_under_streaming_load(server, ids):
         while not stop.is_set():
             try:
                 stream = openai_client.completions.create(
-                    model="tiny", prompt=ids["prompt"], max_tokens=CONTINUATION, temperature=0, stream=True,
+                    model="tiny",
+                    prompt=ids["prompt"],
+                    max_tokens=CONTINUATION,
+                    temperature=0,
+                    stream=True,
                     extra_body={"return_token_ids": True},
                 )
                 tokens = [t for chunk in stream for t in (chunk.choices[0].token_ids or [])]
@@ -187,7 +207,12 @@ def test_swap_twice_under_streaming_load(server, ids):
 
 def prompt_logprobs(server, prompt):
     result = server.openai_client().completions.create(
-        model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1,
+        model="tiny",
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=1,
         extra_body={"vllm_xargs": {"knn_lambda": 0.5}},
     )
     return np.array(result.choices[0].logprobs.token_logprobs[1:-1], dtype=np.float64)

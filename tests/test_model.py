@@ -8,13 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from knnlm_serve.model import (
-    ModelError,
-    check_model_dir,
-    default_gguf_path,
-    model_fingerprint,
-    resolve_model,
-)
+from knnlm_core.default_model import default_gguf_path, resolve_model
+from knnlm_core.errors import ModelError
+from knnlm_core.model_dir import check_model_dir, model_fingerprint
 
 
 def test_missing_model_path_is_a_clear_error(tmp_path):

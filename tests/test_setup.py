@@ -17,7 +17,7 @@ def test_vllm_discovers_the_plugin_entry_point():
 
     plugins = load_plugins_by_group("vllm.general_plugins")
     assert "knnlm" in plugins
-    from knnlm_serve.plugin import register
+    from knnlm_serve.engine.plugin import register
 
     assert plugins["knnlm"] is register
 
@@ -37,17 +37,13 @@ def test_cpu_flavour_has_no_broken_torchvision():
 def test_bad_config_names_the_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("port: 99999999\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "knnlm_serve.cli", "--config", str(bad)], capture_output=True, text=True
-    )
+    result = subprocess.run([sys.executable, "-m", "knnlm_serve.server.launcher", "--config", str(bad)], capture_output=True, text=True)
     assert result.returncode != 0
     assert "port" in result.stderr and "bad.yaml" in result.stderr
 
 
 def test_serving_a_non_causal_lm_fails_clearly(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["BertModel"]}')
-    result = subprocess.run(
-        [sys.executable, "-m", "knnlm_serve.cli", "--model", str(tmp_path)], capture_output=True, text=True
-    )
+    result = subprocess.run([sys.executable, "-m", "knnlm_serve.server.launcher", "--model", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode != 0
     assert "not a causal language model" in result.stderr

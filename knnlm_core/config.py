@@ -1,7 +1,9 @@
 """All of knnlm-serve's settings: one pydantic model per section, loaded from `configs/*.yaml`.
 
 Every knob a user can turn lives here, with its default and its meaning; the CLIs only map
-their flags onto these models.
+their flags onto these models. A process gets its settings by one route: the launcher passes
+`ServeConfig` explicitly, and vLLM's worker processes get the serving runtime (built from
+`KnnConfig`) through vLLM's own worker RPC (knnlm_serve.engine.vllm_adapter).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from knnlm_core.errors import ConfigError
 
 KeyType = Literal["final", "ffn_input"]
 
@@ -37,7 +41,7 @@ class BuildConfig(_Strict):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _stride_leaves_context(self) -> "BuildConfig":
+    def _stride_leaves_context(self) -> BuildConfig:
         if self.stride >= self.context_length:
             raise ValueError(f"stride ({self.stride}) must be below context_length ({self.context_length})")
         return self
@@ -85,7 +89,7 @@ class KnnConfig(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "KnnConfig":
+    def _consistent(self) -> KnnConfig:
         if self.k > self.max_k:
             raise ValueError(f"k ({self.k}) exceeds max_k ({self.max_k})")
         if self.default_datastore is not None and self.default_datastore not in self.datastores:
@@ -95,6 +99,10 @@ class KnnConfig(_Strict):
     @property
     def default_name(self) -> str | None:
         return self.default_datastore or next(iter(self.datastores), None)
+
+    def settings(self) -> KnnConfig:
+        """These settings without the startup datastore list (the runtime tracks the serving set)."""
+        return self.model_copy(update={"datastores": {}, "default_datastore": None})
 
 
 class ServeConfig(_Strict):
@@ -112,10 +120,6 @@ class ServeConfig(_Strict):
     enforce_eager: bool = Field(False, description="skip torch.compile: faster start, slower decode")
     vllm_args: list[str] = Field(default_factory=list, description="extra vLLM server flags, passed through verbatim")
     knn: KnnConfig = Field(default_factory=KnnConfig)
-
-
-class ConfigError(ValueError):
-    """A config file that cannot be used; the message names the file and the field."""
 
 
 def load_serve_config(path: str | Path | None, **overrides) -> ServeConfig:
@@ -138,3 +142,30 @@ def load_serve_config(path: str | Path | None, **overrides) -> ServeConfig:
 def validation_message(e: ValidationError) -> str:
     """pydantic's errors on one line: `field: problem; field: problem`."""
     return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+
+
+class EvalConfig(_Strict):
+    """What `knnlm-eval` sweeps and how it windows the text."""
+
+    context_length: int = Field(512, gt=1)
+    stride: int = Field(256, gt=0, description="scored (new) tokens per window")
+    lambdas: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(21))
+    temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+    ks: tuple[int, ...] = (16, 64, 256, 1024)
+    nprobes: tuple[int, ...] = ()  # IVF datastores: also search at these nprobe (default: the manifest's)
+    exact: bool = False  # also search exactly (flat L2 over the kept keys; needs --keep-keys)
+    fractions: tuple[float, ...] = ()  # also search random fractions of the first datastore
+    tune_fraction: float = Field(0.2, gt=0, lt=1, description="the first this share of scored tokens tunes; the rest is reported")
+    seed: int = 0
+    batch_size: int = Field(8, gt=0)
+    kv_cache_gib: float = Field(1.0, gt=0)
+    text_field: str = "text"
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _valid_grid(self) -> EvalConfig:
+        if self.stride >= self.context_length:
+            raise ValueError(f"stride ({self.stride}) must be below context_length ({self.context_length})")
+        if any(not 0 <= x <= 1 for x in self.lambdas) or any(t <= 0 for t in self.temperatures) or any(k < 1 for k in self.ks):
+            raise ValueError("lambdas must be in [0, 1], temperatures > 0, ks >= 1")
+        return self

@@ -8,13 +8,18 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
-from index_builder.corpus import CorpusError
-from knnlm_serve.datastore import DatastoreError
-from knnlm_serve.eval import EvalConfig, EvalError, evaluate, markdown_table, write_report
-from knnlm_serve.model import DEFAULT_MODEL, ModelError, prepare_default_model, resolve_model
+from pydantic import ValidationError
+
+from knnlm_core.config import EvalConfig, validation_message
+from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for
+from knnlm_core.errors import KnnlmError
+from knnlm_serve.eval.report import markdown_table, write_report
+from knnlm_serve.eval.run import evaluate
+from knnlm_serve.eval.text import EvalError
 
 DEFAULTS = EvalConfig()
 
@@ -29,8 +34,14 @@ def parse_datastore(value: str) -> tuple[str, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="knnlm-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help="held-out text: .txt/.md/.rst/.jsonl files (optionally .gz) or directories")
-    parser.add_argument("--datastore", action="append", type=parse_datastore, required=True, metavar="NAME=PATH",
-                        help="a datastore to compare (repeatable); the first is also scored through vLLM with kNN on")
+    parser.add_argument(
+        "--datastore",
+        action="append",
+        type=parse_datastore,
+        required=True,
+        metavar="NAME=PATH",
+        help="a datastore to compare (repeatable); the first is also scored through vLLM with kNN on",
+    )
     parser.add_argument("--model", default=DEFAULT_MODEL, help='"default" (SmolLM2) or an HF causal-LM directory')
     parser.add_argument("-o", "--output", type=Path, default=Path("knnlm-eval-results"), help="directory for results.json/.md and plots")
     parser.add_argument("--context-length", type=int, default=DEFAULTS.context_length, help="tokens per window")
@@ -47,21 +58,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-token", action="store_true", help="also write tokens.npz (per-token log-probabilities)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="knnlm-eval: %(message)s")
     try:
-        if not 1 < args.context_length or not 0 < args.stride < args.context_length:
-            raise EvalError(f"need 0 < --stride ({args.stride}) < --context-length ({args.context_length})")
-        if not 0 < args.tune_fraction < 1:
-            raise EvalError(f"--tune-fraction {args.tune_fraction} must be in (0, 1)")
-        if any(not 0 <= lam <= 1 for lam in args.lambdas) or any(t <= 0 for t in args.temperatures) or any(k < 1 for k in args.ks):
-            raise EvalError("--lambdas must be in [0, 1], --temperatures > 0, --ks >= 1")
-        config = EvalConfig(
-            context_length=args.context_length, stride=args.stride, lambdas=tuple(args.lambdas), temperatures=tuple(args.temperatures),
-            ks=tuple(sorted(args.ks)), nprobes=tuple(args.nprobe), exact=args.exact, fractions=tuple(args.fractions),
-            tune_fraction=args.tune_fraction, text_field=args.text_field, kv_cache_gib=args.kv_cache_gib, progress=not args.quiet,
-        )
-        model_dir = prepare_default_model() if args.model == DEFAULT_MODEL else resolve_model(args.model)
-        run = evaluate(args.inputs, dict(args.datastore), model_dir, config)
-    except (EvalError, CorpusError, DatastoreError, ModelError) as e:
+        try:
+            config = EvalConfig(
+                context_length=args.context_length,
+                stride=args.stride,
+                lambdas=tuple(args.lambdas),
+                temperatures=tuple(args.temperatures),
+                ks=tuple(sorted(args.ks)),
+                nprobes=tuple(args.nprobe),
+                exact=args.exact,
+                fractions=tuple(args.fractions),
+                tune_fraction=args.tune_fraction,
+                text_field=args.text_field,
+                kv_cache_gib=args.kv_cache_gib,
+                progress=not args.quiet,
+            )
+        except ValidationError as e:
+            raise EvalError(validation_message(e)) from None
+        run = evaluate(args.inputs, dict(args.datastore), model_dir_for(args.model), config)
+    except KnnlmError as e:
         sys.exit(f"knnlm-eval: error: {e}")
     written = write_report(run, args.output, per_token=args.per_token)
     print(markdown_table(run.summary))

@@ -9,16 +9,33 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import tempfile
 from pathlib import Path
 
-from knnlm_serve.config import BuildConfig
-from knnlm_serve.datastore import MANIFEST
-from knnlm_serve.model import cache_dir, model_fingerprint
+from index_builder.build import build_datastore
+from knnlm_core.config import BuildConfig
+from knnlm_core.datastore import MANIFEST
+from knnlm_core.model_dir import cache_dir, model_fingerprint
+
+logger = logging.getLogger("index_builder")
 
 MODULES = (
-    "json", "argparse", "collections", "functools", "itertools", "pathlib", "dataclasses",
-    "heapq", "bisect", "textwrap", "shlex", "csv", "statistics", "fractions", "decimal",
+    "json",
+    "argparse",
+    "collections",
+    "functools",
+    "itertools",
+    "pathlib",
+    "dataclasses",
+    "heapq",
+    "bisect",
+    "textwrap",
+    "shlex",
+    "csv",
+    "statistics",
+    "fractions",
+    "decimal",
 )
 
 
@@ -41,9 +58,7 @@ def prepare_default_datastore(model_dir: Path) -> Path:
     out = cache_dir() / "datastores" / f"pydocs-{model_fingerprint(model_dir)}"
     if (out / MANIFEST).exists():
         return out
-    from index_builder.build import build_datastore
-
-    print(f"knnlm-serve: building the default datastore (Python standard-library docs) at {out}")
+    logger.info("building the default datastore (Python standard-library docs) at %s", out)
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in stdlib_documents().items():
             (Path(tmp) / f"{name}.txt").write_text(text)

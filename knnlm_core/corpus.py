@@ -1,22 +1,25 @@
-"""Reading a corpus: files and directories of .txt/.md/.rst/.jsonl, optionally gzipped.
+"""Reading a corpus: files and directories of .txt/.md/.rst/.jsonl, optionally gzipped, and tokenizing it.
 
-A text file is one document; each line of a .jsonl file is one document (its `text_field`).
+A text file is one document; each line of a .jsonl file is one document (its `text_field`). The
+builder, the evaluator and the benchmarks tokenize with `token_ids`, so their positions agree.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import warnings
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
+from knnlm_core.errors import CorpusError, ErrorKind
+
+logger = logging.getLogger("knnlm_core")
+
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
 JSONL_SUFFIXES = (".jsonl",)
-
-
-class CorpusError(ValueError):
-    """An input that cannot be read as asked; the message names the file and the fix."""
 
 
 def _suffix(path: Path) -> str:
@@ -33,15 +36,13 @@ def find_files(inputs: list[str | Path]) -> list[Path]:
     found: list[Path] = []
     for item in map(Path, inputs):
         if not item.exists():
-            raise CorpusError(f"corpus path {item} does not exist")
+            raise CorpusError(f"corpus path {item} does not exist", ErrorKind.NOT_FOUND)
         if item.is_dir():
             found.extend(p for p in sorted(item.rglob("*")) if p.is_file() and _supported(p))
         elif _supported(item):
             found.append(item)
         else:
-            raise CorpusError(
-                f"{item}: unsupported file type; use .txt, .md, .rst or .jsonl (optionally .gz)"
-            )
+            raise CorpusError(f"{item}: unsupported file type; use .txt, .md, .rst or .jsonl (optionally .gz)")
     files = list(dict.fromkeys(p.resolve() for p in found))
     if not files:
         raise CorpusError(f"no .txt/.md/.rst/.jsonl files found in {', '.join(map(str, inputs))}")
@@ -63,7 +64,7 @@ def iter_documents(
         except UnicodeDecodeError as e:
             if on_bad_utf8 == "error":
                 raise CorpusError(f"{path} is not UTF-8 ({e.reason} at byte {e.start}); fix it or pass --on-bad-utf8 skip") from None
-            warnings.warn(f"skipping {path}: not UTF-8 ({e.reason} at byte {e.start})", stacklevel=2)
+            logger.warning("skipping %s: not UTF-8 (%s at byte %d)", path, e.reason, e.start)
             if skipped is not None:
                 skipped.append(f"{path}: not UTF-8")
             continue
@@ -88,3 +89,27 @@ def _jsonl_documents(path: Path, text: str, text_field: str) -> Iterator[str]:
             raise CorpusError(f"{path}:{lineno}: no string field {text_field!r}; set it with --text-field")
         if value.strip():
             yield value
+
+
+def token_ids(tokenizer, text: str) -> np.ndarray:
+    """One document's token ids: the single tokenizer call every path uses."""
+    return np.asarray(tokenizer(text).input_ids, dtype=np.int32)
+
+
+def doc_offsets(lengths: list[int]) -> np.ndarray:
+    """[D + 1] start of each document in the concatenated tokens, and the total at the end."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def tokenize_files(
+    files: list[Path], model_dir: Path, *, text_field: str = "text", on_bad_utf8: str = "skip"
+) -> tuple[np.ndarray, np.ndarray]:
+    """All documents' tokens concatenated, and their offsets (in memory: for held-out texts)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    docs = [token_ids(tokenizer, t) for t in iter_documents(files, text_field=text_field, on_bad_utf8=on_bad_utf8)]
+    tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int32)
+    return tokens, doc_offsets([len(d) for d in docs])

@@ -1,4 +1,4 @@
-"""The on-disk datastore format, shared by `knnlm-index` (writes it) and the server (reads it).
+"""The on-disk datastore format: `knnlm-index` writes it; the server, evaluator and benchmarks read it.
 
     <datastore>/manifest.json            written last; its presence means "complete"
     <datastore>/shard-000/index.faiss    FAISS index over this shard's keys (ids 0..n-1)
@@ -10,7 +10,6 @@ Only JSON and plain `.npy` arrays are read (`allow_pickle=False`): a datastore i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -19,15 +18,13 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from knnlm_serve.config import KeyType
+from knnlm_core.config import KeyType
+from knnlm_core.errors import DatastoreError, ErrorKind
+from knnlm_core.files import sha256_file, write_json_atomic
 
 FORMAT = "knnlm-datastore"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-
-
-class DatastoreError(ValueError):
-    """A datastore that cannot be used as asked; the message names the problem and the fix."""
 
 
 class _Record(BaseModel):
@@ -98,7 +95,7 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     path = Path(path)
     manifest_file = path / MANIFEST
     if not path.is_dir():
-        raise DatastoreError(f"datastore {path} does not exist")
+        raise DatastoreError(f"datastore {path} does not exist", ErrorKind.NOT_FOUND)
     if not manifest_file.is_file():
         raise DatastoreError(
             f"{path} has no {MANIFEST}: not a datastore, or a build that did not finish "
@@ -155,19 +152,10 @@ def file_entry(root: Path, file: Path) -> FileEntry:
     return FileEntry(path=str(file.relative_to(root)), bytes=file.stat().st_size, sha256=sha256_file(file))
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_values(path: Path) -> np.ndarray:
     return np.load(path, allow_pickle=False, mmap_mode="r")
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """Written last and atomically: a manifest on disk means the datastore is complete."""
+    write_json_atomic(root / MANIFEST, manifest.model_dump(mode="json"))

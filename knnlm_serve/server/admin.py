@@ -7,23 +7,37 @@
     GET    /v1/knn/health              every shard actor's status
 
 Every route needs the `X-Admin-Token` header (the admin token is not the inference API key).
-Paths are resolved (symlinks too) and must lie inside `knn.datastore_root`.
+Paths are resolved (symlinks too) and must lie inside `knn.datastore_root`. Domain errors carry
+their kind; `STATUS` maps it to an HTTP status here, and nowhere else.
+
+The plugin's `init_state` also attaches vLLM's workers (collective_rpc, as vLLM's endpoint-plugin
+contract prescribes) and connects the registry to them: from then on admin changes reach every
+worker between two steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 import os
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from pydantic import BaseModel, ConfigDict
 
-from knnlm_serve import registry as registry_module
-from knnlm_serve.config import KeyType
-from knnlm_serve.registry import AdminError, DatastoreRegistry
+from knnlm_core.config import KeyType
+from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_serve.engine.vllm_adapter import ATTACH, PINNED_VERSIONS, SET_RUNTIME
+from knnlm_serve.runtime import Runtime
+from knnlm_serve.server.app_state import published_registry
+from knnlm_serve.server.registry import DatastoreRegistry
+
+logger = logging.getLogger("knnlm_serve")
 
 ADMIN_TOKEN_ENV = "KNNLM_ADMIN_TOKEN"
+STATUS = {ErrorKind.INVALID: 422, ErrorKind.NOT_FOUND: 404, ErrorKind.FORBIDDEN: 403, ErrorKind.UNAVAILABLE: 503}
+RPC_TIMEOUT_S = 60.0
 
 
 class LoadRequest(BaseModel):
@@ -39,8 +53,8 @@ class DefaultRequest(BaseModel):
     name: str
 
 
-def admin_registry(x_admin_token: str | None = Header(None)) -> DatastoreRegistry:
-    registry = registry_module.REGISTRY
+def admin_registry(request: Request, x_admin_token: str | None = Header(None)) -> DatastoreRegistry:
+    registry = getattr(request.app.state, "knnlm_registry", None)
     if registry is None:
         raise HTTPException(503, "kNN is not configured on this server (no knn.datastores)")
     expected = registry.runtime.knn.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
@@ -53,19 +67,19 @@ def admin_registry(x_admin_token: str | None = Header(None)) -> DatastoreRegistr
 
 def resolve_in_root(root: str | None, path: str) -> Path:
     if root is None:
-        raise HTTPException(403, "loading datastores through the admin API is disabled: set knn.datastore_root")
+        raise KnnlmError("loading datastores through the admin API is disabled: set knn.datastore_root", ErrorKind.FORBIDDEN)
     root_dir = Path(root).expanduser().resolve()
     candidate = (root_dir / path).resolve()
     if not candidate.is_relative_to(root_dir):
-        raise HTTPException(403, f"path {path!r} resolves to {candidate}, outside the datastore root {root_dir}")
+        raise KnnlmError(f"path {path!r} resolves to {candidate}, outside the datastore root {root_dir}", ErrorKind.FORBIDDEN)
     return candidate
 
 
 def _admin_call(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
-    except AdminError as e:
-        raise HTTPException(e.status, str(e)) from None
+    except KnnlmError as e:
+        raise HTTPException(STATUS[e.kind], str(e)) from None
 
 
 router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"])
@@ -78,9 +92,9 @@ def list_datastores(registry: DatastoreRegistry = Depends(admin_registry)) -> di
 
 @router.post("/datastores")
 def load_datastore(body: LoadRequest, registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
-    path = resolve_in_root(registry.runtime.knn.datastore_root, body.path)
+    path = _admin_call(resolve_in_root, registry.runtime.knn.datastore_root, body.path)
     info = _admin_call(registry.load, body.name, path, make_default=body.default, key_type=body.key_type)
-    return {"loaded": info.model_dump(), "default": registry.runtime.knn.default_datastore}
+    return {"loaded": info.model_dump(), "default": registry.runtime.default}
 
 
 @router.put("/default")
@@ -92,7 +106,7 @@ def set_default(body: DefaultRequest, registry: DatastoreRegistry = Depends(admi
 @router.delete("/datastores/{name}")
 def unload_datastore(name: str, registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
     _admin_call(registry.unload, name)
-    return {"unloaded": name, "default": registry.runtime.knn.default_datastore}
+    return {"unloaded": name, "default": registry.runtime.default}
 
 
 @router.get("/health")
@@ -100,14 +114,37 @@ def shard_health(registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
     return registry.health()
 
 
+class VllmEngineLink:
+    """`EngineLink` over vLLM's collective_rpc, callable from the registry's threads (not the event loop)."""
+
+    def __init__(self, engine_client, loop: asyncio.AbstractEventLoop):
+        self._engine_client, self._loop = engine_client, loop
+
+    def _call(self, method: str, *args):
+        rpc = self._engine_client.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args)
+        return asyncio.run_coroutine_threadsafe(rpc, self._loop).result(RPC_TIMEOUT_S)
+
+    def set_runtime(self, runtime: Runtime) -> None:
+        self._call(SET_RUNTIME, runtime.model_dump_json())
+
+    def pinned_versions(self) -> set[tuple[str, int]]:
+        return {(name, version) for worker in self._call(PINNED_VERSIONS) for name, version in worker}
+
+
 class KnnAdminPlugin:
-    """vLLM endpoint plugin: attaches the admin routes (and their OpenAPI schema) to the server."""
+    """vLLM endpoint plugin: the admin routes, and the registry's connection to the workers."""
 
     name = "knnlm_admin"
-    required_tasks = None
+    required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
         app.include_router(router)
 
     async def init_state(self, engine_client, state, args) -> None:
-        pass
+        registry = published_registry()
+        if registry is None or engine_client is None:
+            return
+        attached = await engine_client.collective_rpc(ATTACH, timeout=RPC_TIMEOUT_S, args=(registry.runtime.model_dump_json(),))
+        state.knnlm_registry = registry
+        registry.connect(VllmEngineLink(engine_client, asyncio.get_running_loop()))
+        logger.info("kNN attached to %d worker(s): %s", len(attached), attached)

@@ -1,4 +1,7 @@
-"""One datastore shard in memory, and the merge of several shards' answers into a global top-k.
+"""Search: one datastore shard in memory, batched top-k over it, and the merge of shards' answers.
+
+The server's shard actors, the evaluator, `knnlm-index verify` and the benchmarks all search
+through `search_index`, so they agree on padding, nprobe and token lookup.
 
 A shard answers `search(queries, k, nprobe) -> (distances, token_ids)`; rows with fewer than k
 entries are padded with distance +inf and token -1, so answers from shards of any size merge.
@@ -11,7 +14,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from knnlm_serve.datastore import Manifest, ShardEntry, load_values
+from knnlm_core.datastore import Manifest, ShardEntry, load_values
+from knnlm_core.errors import DatastoreError
 
 
 def gpu_available() -> bool:
@@ -26,7 +30,7 @@ class ShardSearcher:
         index = faiss.read_index(str(root / shard.index.path))
         self.values = np.ascontiguousarray(load_values(root / shard.values.path), dtype=np.int32)
         if len(self.values) != index.ntotal:
-            raise ValueError(f"shard {shard.name}: {index.ntotal} keys but {len(self.values)} values")
+            raise DatastoreError(f"shard {shard.name}: {index.ntotal} keys but {len(self.values)} values; rebuild the datastore")
         self.on_gpu = gpu_available() if use_gpu is None else use_gpu
         if self.on_gpu:
             self._gpu_resources = faiss.StandardGpuResources()  # must outlive the GPU index
@@ -49,8 +53,9 @@ def search_index(
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     selector = faiss.IDSelectorBatch(np.flatnonzero(keep).astype(np.int64)) if keep is not None else None
     params = None
-    if _is_ivf(index):  # SearchParametersIVF defaults to nprobe 1: always say which
-        params = faiss.SearchParametersIVF(nprobe=nprobe or faiss.extract_index_ivf(index).nprobe)
+    ivf = ivf_of(index)
+    if ivf is not None:  # SearchParametersIVF defaults to nprobe 1: always say which
+        params = faiss.SearchParametersIVF(nprobe=nprobe or ivf.nprobe)
     elif selector is not None:
         params = faiss.SearchParameters()
     if selector is not None:
@@ -60,12 +65,18 @@ def search_index(
     return _pad(np.where(ids >= 0, distances, np.inf).astype(np.float32), tokens, k)
 
 
-def _is_ivf(index) -> bool:
+def ivf_of(index):
+    """The IVF layer inside `index` (possibly behind a PCA transform), or None for other indexes."""
     try:
-        faiss.extract_index_ivf(index)
-        return True
+        return faiss.extract_index_ivf(index)
     except RuntimeError:
-        return False
+        return None
+
+
+def set_nprobe(index, nprobe: int) -> None:
+    ivf = ivf_of(index)
+    if ivf is not None:
+        ivf.nprobe = nprobe
 
 
 def _pad(distances: np.ndarray, tokens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

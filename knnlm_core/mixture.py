@@ -1,4 +1,7 @@
-"""The kNN-LM distribution: p = λ·p_kNN + (1−λ)·p_LM, computed in fp32 log space.
+"""The kNN-LM distribution: p = λ·p_kNN + (1−λ)·p_LM, in torch for serving and NumPy for evaluation.
+
+The server mixes whole logits rows (`interpolate`, fp32 log space); the evaluator scores targets
+only (`knn_log_prob`, `mixture_log_prob`, fp64). Both use the same λ rule (`adaptive_lambda`).
 
 p_kNN(v) = Σ_{j: token_j = v} softmax_j(−d_j / τ) over the k retrieved neighbours. Padding
 neighbours (distance +inf, token −1) get zero weight; a row with no neighbour keeps p_LM.
@@ -34,3 +37,20 @@ def interpolate(
     p_at_neighbours = p_knn.scatter_add_(1, index, weights).gather(1, index)  # duplicates summed
     mixed = torch.log_softmax(lm_logits.float(), dim=-1).add_(torch.log1p(-lam))
     return mixed.scatter_(1, index, torch.logaddexp(lam.log() + p_at_neighbours.log(), mixed.gather(1, index)))
+
+
+def knn_log_prob(distances: np.ndarray, match: np.ndarray, k: int, temperature: float) -> np.ndarray:
+    """log p_kNN(target) [T] from the k nearest: log Σ_match softmax(−d/τ) (−inf if none match)."""
+    scores = -distances[:, :k].astype(np.float64) / temperature  # padding (+inf) -> -inf
+    top = np.max(scores, axis=1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    weights = np.exp(scores - top)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log(np.sum(weights * match[:, :k], axis=1)) - np.log(np.sum(weights, axis=1))
+
+
+def mixture_log_prob(log_p_lm: np.ndarray, log_p_knn: np.ndarray, lambda_, has_neighbour: np.ndarray) -> np.ndarray:
+    """log(λ·p_kNN + (1−λ)·p_LM), λ scalar or per token; rows without neighbours keep p_LM (as the server)."""
+    lam = np.where(has_neighbour, lambda_, 0.0)
+    with np.errstate(divide="ignore"):
+        return np.logaddexp(np.log(lam) + log_p_knn, np.log1p(-lam) + log_p_lm)

@@ -7,6 +7,7 @@
     knn_temperature  > 0          softmax temperature over negative distances
 
 Parsed the same way in the API server (to reject bad values with HTTP 400) and in the worker.
+Keys of other plugins pass; a misspelt `knn_*` key is refused rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from knnlm_serve.config import KnnConfig
+from knnlm_core.errors import KnnlmError
+from knnlm_serve.runtime import Runtime
 
 KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature")
 
 
-class KnnParamError(ValueError):
+class KnnParamError(KnnlmError):
     def __init__(self, field: str, value, allowed: str):
         super().__init__(f"vllm_xargs.{field}={value!r} is invalid: must be {allowed}")
         self.field, self.value = field, value
@@ -38,12 +40,19 @@ class KnnParams:
         return self.enabled and self.datastore is not None and (self.lambda_ is None or self.lambda_ > 0)
 
 
-def parse_knn_params(extra_args: dict | None, config: KnnConfig) -> KnnParams:
+LM_ONLY = KnnParams(False, None, 0.0, 1, 1.0)
+
+
+def parse_knn_params(extra_args: dict | None, runtime: Runtime) -> KnnParams:
     args = extra_args or {}
+    unknown = sorted(k for k in args if k.startswith("knn") and k not in KNOWN_KEYS)
+    if unknown:
+        raise KnnParamError(unknown[0], args[unknown[0]], f"one of the known keys {list(KNOWN_KEYS)} (unknown key)")
+    config = runtime.knn
     enabled = _bool(args.get("knn", config.enabled))
-    datastore = args.get("knn_datastore", config.default_name)
-    if "knn_datastore" in args and datastore not in config.datastores:
-        raise KnnParamError("knn_datastore", datastore, f"one of {sorted(config.datastores)}")
+    datastore = args.get("knn_datastore", runtime.default)
+    if "knn_datastore" in args and datastore not in runtime.datastores:
+        raise KnnParamError("knn_datastore", datastore, f"one of {sorted(runtime.datastores)}")
     if "knn_lambda" not in args and datastore in config.adaptive_lambda:
         lambda_ = None
     else:

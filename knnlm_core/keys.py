@@ -1,0 +1,138 @@
+"""Key vectors: which module's input is the key, and the HF encoder that computes them offline.
+
+One rule decides where a key comes from, for transformers' models (`knnlm-index`, `knnlm-eval`)
+and for vLLM's (the server's capture hook), so the keys stored are the keys queried:
+  * `final`: the hidden state the LM head receives (vLLM: what `compute_logits` receives);
+  * `ffn_input`: the input of the last decoder layer's feed-forward block. The decoder layers are
+    the first `nn.ModuleList` in the module tree (pre-order: it comes before any experts list
+    inside it); the block is the last layer's first child named in `FFN_NAMES` (MoE blocks
+    included; `fc1` is OPT-style layers' first FFN projection, after their FFN norm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from knnlm_core.config import KeyType
+from knnlm_core.errors import ModelError
+from knnlm_core.windows import WindowPlan, fed_tokens
+
+FFN_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "fc1")
+
+
+def ffn_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The last decoder layer's feed-forward block, or None when the architecture has none."""
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0), None)
+    if layers is None:
+        return None
+    last = layers[len(layers) - 1]
+    return next((getattr(last, name) for name in FFN_NAMES if isinstance(getattr(last, name, None), torch.nn.Module)), None)
+
+
+def no_ffn_input_error(architecture: str) -> ModelError:
+    return ModelError(
+        f"key type ffn_input is not available for {architecture}: its last decoder layer has no feed-forward "
+        f"block named one of {FFN_NAMES}; use key type final (--key-type final)"
+    )
+
+
+def key_module(model: torch.nn.Module, key_type: KeyType, architecture: str) -> torch.nn.Module:
+    """The module whose *input* is the key in a transformers model."""
+    if key_type == "final":
+        return model.get_output_embeddings()
+    module = ffn_module(model)
+    if module is None:
+        raise no_ffn_input_error(architecture)
+    return module
+
+
+def supports_ffn_input(model_dir: Path) -> bool:
+    """Whether the rule finds an FFN block, from the model's skeleton on the meta device (no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return ffn_module(model) is not None
+
+
+class _Captured(Exception):
+    """Raised by the capture hook to stop the forward pass once the key vector exists."""
+
+
+class KeyEncoder:
+    """Runs the HF model over right-padded windows and returns the key vectors; stops the forward
+    pass at the key (skipping the rest of the network and the LM head)."""
+
+    def __init__(self, model_dir: Path, key_type: KeyType, dtype: str, device: str | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(self.device).eval()
+        architecture = (self.model.config.architectures or [type(self.model).__name__])[0]
+        self.module = key_module(self.model, key_type, architecture)
+        self.dim = self.model.config.hidden_size
+        self._captured: torch.Tensor | None = None
+        self.module.register_forward_pre_hook(self._capture)
+
+    def _capture(self, module, args):
+        self._captured = args[0]
+        raise _Captured
+
+    @torch.inference_mode()
+    def encode(self, token_batches: list[np.ndarray]) -> list[np.ndarray]:
+        """Key vectors [len(tokens), dim] (float32) for each right-padded sequence of the batch."""
+        ids, lengths = pad_right(token_batches)
+        try:
+            # Causal attention: right padding never reaches the real positions, so no mask.
+            self.model(input_ids=ids.to(self.device), use_cache=False)
+        except _Captured:
+            pass
+        keys = self._captured.float().cpu().numpy()
+        return [keys[i, :n] for i, n in enumerate(lengths)]
+
+
+def encode_windows(
+    encoder: KeyEncoder,
+    tokens: np.ndarray,
+    plan: WindowPlan,
+    out: np.ndarray,
+    batch_size: int,
+    *,
+    first_batch: int = 0,
+    after_batch: Callable[[int], None] | None = None,
+    progress: bool = True,
+    desc: str = "encode",
+) -> float:
+    """Write every entry's key into `out` [entries, dim] in plan order, batch by batch from
+    `first_batch` (to resume); `after_batch(b)` runs once batch b is in `out`. Returns tokens/s fed."""
+    import time
+
+    windows, offsets = plan.windows, plan.entry_offsets
+    starts = range(0, len(windows), batch_size)
+    bar = tqdm(total=fed_tokens(plan), unit="tok", unit_scale=True, desc=desc, disable=not progress)
+    bar.update(fed_tokens(plan, 0, min(first_batch * batch_size, len(windows))))
+    t0, fed = time.monotonic(), 0
+    for b in range(first_batch, len(starts)):
+        i, j = starts[b], min(starts[b] + batch_size, len(windows))
+        vectors = encoder.encode([tokens[f:k1] for f, _, k1 in windows[i:j]])
+        for w, (f, k0, k1), v in zip(range(i, j), windows[i:j], vectors):
+            out[offsets[w] : offsets[w + 1]] = v[k0 - f : k1 - f]
+        if after_batch is not None:
+            after_batch(b)
+        fed += fed_tokens(plan, i, j)
+        bar.update(fed_tokens(plan, i, j))
+    bar.close()
+    return fed / max(time.monotonic() - t0, 1e-9)
+
+
+def pad_right(token_batches: list[np.ndarray]) -> tuple[torch.Tensor, list[int]]:
+    lengths = [len(t) for t in token_batches]
+    ids = torch.zeros(len(token_batches), max(lengths), dtype=torch.long)
+    for i, tokens in enumerate(token_batches):
+        ids[i, : lengths[i]] = torch.from_numpy(tokens.astype(np.int64))
+    return ids, lengths

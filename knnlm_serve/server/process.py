@@ -1,0 +1,94 @@
+"""A `knnlm-serve` server in a child process, and its Prometheus metrics: what tests and load tests drive.
+
+`RunningServer` starts the launcher on a config dict (port chosen free unless given), waits until
+the OpenAI API answers, and stops the whole process group on exit (vLLM's engine, Ray's local
+cluster). `scrape_metrics` reads `/metrics` into {series: value}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, config: dict, workdir: Path, startup_timeout: float = 900):
+        import yaml
+
+        self.port = config.get("port") or free_port()
+        self.config = {**config, "port": self.port, "host": "127.0.0.1"}
+        self.config_path = workdir / "serve.yaml"
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        self.log_path = workdir / "serve.log"
+        self.startup_timeout = startup_timeout
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> RunningServer:
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "knnlm_serve.server.launcher", "--config", str(self.config_path)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ.copy(),
+        )
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2)
+                return self
+            except OSError:
+                time.sleep(1)
+        self.__exit__(None, None, None)
+        raise TimeoutError(f"server did not start in {self.startup_timeout}s:\n{self.log_tail()}")
+
+    def __exit__(self, *exc) -> None:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._log.close()
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text()[-n:]
+
+    def openai_client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused")
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def metric_total(values: dict[str, float], pattern: str) -> float:
+    """The sum over every series whose name (with labels) matches the regex `pattern` from its start."""
+    regex = re.compile(pattern)
+    return sum(v for k, v in values.items() if regex.match(k))

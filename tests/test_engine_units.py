@@ -1,0 +1,165 @@
+"""The vLLM seam's units without an engine: rows -> requests, BatchUpdate tracking, version pinning,
+request knobs, and the FFN-input rule, against recorded batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+
+from knnlm_core.config import KnnConfig
+from knnlm_core.keys import ffn_module
+from knnlm_serve.engine.batch_requests import BatchRequests
+from knnlm_serve.engine.request_params import KnnParamError, parse_knn_params
+from knnlm_serve.engine.rows import prompt_rows, sampling_rows
+from knnlm_serve.runtime import DatastoreInfo, Runtime
+
+
+def info(name: str, version: int) -> DatastoreInfo:
+    return DatastoreInfo(name=name, version=version, path=f"/ds/{name}", key_type="ffn_input", nprobe=None, entries=10,
+                         shards=["shard-000"], index="Flat", fingerprint="f", bytes=1)
+
+
+def runtime(*infos: DatastoreInfo, default: str | None = None) -> Runtime:
+    datastores = {i.name: i for i in infos}
+    return Runtime(knn=KnnConfig(k=8, max_k=64), datastores=datastores, default=default or next(iter(datastores), None))
+
+
+def added(slot: int, **xargs):
+    return (slot, SamplingParams(extra_args=xargs or None), [1, 2, 3], [])
+
+
+def update(batch_size: int, removed=(), add=(), moved=()) -> BatchUpdate:
+    return BatchUpdate(batch_size=batch_size, removed=list(removed), added=list(add), moved=list(moved))
+
+
+# A recorded step: 3 requests with 5, 1 and 3 scheduled tokens (one prefill chunk, two decodes).
+QUERY_START_LOC = np.array([0, 5, 6, 9, 0, 0])
+
+
+def test_sampling_rows_are_each_requests_last_token():
+    rows = sampling_rows(QUERY_START_LOC, 3)
+    assert rows.token_index.tolist() == [4, 5, 8] and rows.slot.tolist() == [0, 1, 2]
+
+
+def test_prompt_logprob_rows_map_to_the_request_owning_the_tokens():
+    rows = prompt_rows(QUERY_START_LOC, 3, first_token=6, count=3)
+    assert rows.token_index.tolist() == [6, 7, 8] and rows.slot.tolist() == [2, 2, 2]
+    assert prompt_rows(QUERY_START_LOC, 3, first_token=0, count=4).slot.tolist() == [0, 0, 0, 0]
+
+
+def test_batch_update_add_remove_move_and_swap():
+    batch, rt = BatchRequests(), runtime(info("a", 1), info("b", 1))
+    batch.apply(update(3, add=[added(0, knn_datastore="a"), added(1, knn_datastore="b"), added(2, knn=False)]))
+    assert [batch.resolve(s, rt).params.datastore for s in range(3)] == ["a", "b", None]
+    batch.apply(update(3, moved=[(0, 1, MoveDirectionality.SWAP)]))
+    assert [batch.resolve(s, rt).params.datastore for s in range(2)] == ["b", "a"]
+    batch.apply(update(2, removed=[0], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))  # condense: 2 -> 0
+    assert batch.resolve(0, rt).params.datastore is None and batch.resolve(1, rt).params.datastore == "a"
+    batch.apply(None)  # no change this step
+    assert batch.resolve(1, rt).params.datastore == "a"
+
+
+def test_a_request_keeps_the_version_it_started_on_through_a_hot_swap():
+    batch = BatchRequests()
+    batch.apply(update(1, add=[added(0)]))
+    assert batch.resolve(0, runtime(info("a", 1))).pinned.version == 1
+    swapped = runtime(info("a", 2))
+    assert batch.resolve(0, swapped).pinned.version == 1  # still running: still v1
+    batch.apply(update(2, add=[added(1)]))
+    assert batch.resolve(1, swapped).pinned.version == 2  # started after the swap
+    assert batch.pinned_versions() == {("a", 1), ("a", 2)}
+    batch.apply(update(1, removed=[0]))
+    assert batch.pinned_versions() == {("a", 2)}  # v1 is free to be released
+
+
+def test_a_request_that_arrives_after_an_unload_is_not_pinned():
+    batch = BatchRequests()
+    batch.apply(update(1, add=[added(0, knn_lambda=0.5)]))
+    request = batch.resolve(0, Runtime(knn=KnnConfig(), datastores={}, default="gone"))
+    assert request.params.active and request.pinned is None
+
+
+def test_bad_knobs_in_an_offline_request_serve_lm_only():
+    batch = BatchRequests()
+    batch.apply(update(1, add=[added(0, knn_lambda=7)]))
+    assert not batch.resolve(0, runtime(info("a", 1))).params.active
+
+
+CONFIG = runtime(info("wiki", 1), info("code", 1)).model_copy(update={"knn": KnnConfig(k=16, max_k=64)})
+
+
+def test_request_params_default_to_the_server_config():
+    params = parse_knn_params(None, CONFIG)
+    assert (params.datastore, params.lambda_, params.k, params.temperature, params.active) == ("wiki", 0.25, 16, 1.0, True)
+    params = parse_knn_params({"knn_datastore": "code", "knn_lambda": 1, "knn_k": 64, "knn_temperature": 0.5}, CONFIG)
+    assert (params.datastore, params.lambda_, params.k, params.temperature) == ("code", 1.0, 64, 0.5)
+    assert not parse_knn_params({"knn": False}, CONFIG).active
+    assert not parse_knn_params({"knn_lambda": 0}, CONFIG).active
+
+
+@pytest.mark.parametrize(
+    "args, field, allowed",
+    [
+        ({"knn_lambda": 1.5}, "knn_lambda", "[0, 1]"),
+        ({"knn_lambda": "high"}, "knn_lambda", "[0, 1]"),
+        ({"knn_k": 0}, "knn_k", "[1, 64]"),
+        ({"knn_k": 65}, "knn_k", "[1, 64]"),
+        ({"knn_k": 2.5}, "knn_k", "[1, 64]"),
+        ({"knn_temperature": 0}, "knn_temperature", "> 0"),
+        ({"knn_datastore": "legal"}, "knn_datastore", "'code', 'wiki'"),
+        ({"knn": "maybe"}, "knn", "true or false"),
+    ],
+)
+def test_invalid_request_params_name_field_value_and_range(args, field, allowed):
+    with pytest.raises(KnnParamError) as e:
+        parse_knn_params(args, CONFIG)
+    message = str(e.value)
+    assert field in message and repr(next(iter(args.values()))) in message and allowed in message
+
+
+def test_adaptive_lambda_applies_only_when_the_request_sets_none():
+    adaptive = KnnConfig(k=16, max_k=64, adaptive_lambda={"code": {"lambda_max": 0.8, "slope": 1.0, "center": 5.0}})
+    config = CONFIG.model_copy(update={"knn": adaptive})
+    assert parse_knn_params({"knn_datastore": "code"}, config).lambda_ is None
+    assert parse_knn_params({"knn_datastore": "code"}, config).active
+    assert parse_knn_params({"knn_datastore": "code", "knn_lambda": 0.4}, config).lambda_ == 0.4
+    assert parse_knn_params({"knn_datastore": "wiki"}, config).lambda_ == 0.25  # no adaptive λ for it
+
+
+@pytest.mark.parametrize("key", ["knn_lamda", "knn_topk", "knnk"])
+def test_an_unknown_knn_key_is_refused_naming_it_and_the_valid_ones(key):
+    with pytest.raises(KnnParamError) as e:
+        parse_knn_params({key: 0.9}, runtime(info("a", 1)))
+    assert key in str(e.value) and "knn_lambda" in str(e.value)
+
+
+def test_other_plugins_keys_pass():
+    assert parse_knn_params({"other_plugin_knob": 1, "knn_lambda": 0.3}, runtime(info("a", 1))).lambda_ == 0.3
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, ffn_name: str | None):
+        super().__init__()
+        self.self_attn = torch.nn.Linear(2, 2)
+        if ffn_name:
+            setattr(self, ffn_name, torch.nn.Linear(2, 2))
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self, ffn_name: str | None):
+        super().__init__()
+        self.embed = torch.nn.Embedding(4, 2)
+        self.layers = torch.nn.ModuleList([Layer(ffn_name), Layer(ffn_name)])
+
+
+@pytest.mark.parametrize("name", ["mlp", "feed_forward", "ffn", "block_sparse_moe", "fc1"])
+def test_the_ffn_rule_finds_the_last_layers_block(name):
+    model = Decoder(name)
+    assert ffn_module(model) is getattr(model.layers[1], name)
+
+
+def test_the_ffn_rule_finds_nothing_where_there_is_no_block():
+    assert ffn_module(Decoder(None)) is None
