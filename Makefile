@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/default.yaml
 
-.PHONY: setup serve test test-fast prepare-model
+.PHONY: setup serve test test-fast lint prepare-model
 
 setup:
 	@bash scripts/setup.sh
@@ -14,8 +14,12 @@ prepare-model: setup
 serve: setup
 	$(VENV)/bin/knnlm-serve --config $(CONFIG)
 
-test: setup
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest tests
 
-test-fast: setup
+test-fast: lint
 	$(PY) -m pytest tests -m "not slow"

@@ -490,10 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = None
     if args.model_dir:
-        from knnlm_core.model_dir import model_config, model_fingerprint
+        from knnlm_core.model_dir import hidden_size_of, model_fingerprint
 
-        if model_config(args.model_dir)["hidden_size"] != DIM:
-            p.error(f"--model-dir {args.model_dir} has hidden size {model_config(args.model_dir)['hidden_size']}, not {DIM}")
+        if hidden_size_of(args.model_dir) != DIM:
+            p.error(f"--model-dir {args.model_dir} has hidden size {hidden_size_of(args.model_dir)}, not {DIM}")
         model = {"name": args.model_dir.name, "fingerprint": model_fingerprint(args.model_dir)}
     record = ensure_datastores(
         args.workdir, args.entries, args.train_sample, args.seed, args.rebuild, args.factory, args.build_threads, model

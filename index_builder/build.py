@@ -25,7 +25,9 @@ import numpy as np
 from tqdm import tqdm
 
 import knnlm_core
+from index_builder.calibrate import calibrate_on
 from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string, needs_training, train_index
+from knnlm_core.calibration import MIN_HELDOUT_TOKENS, split_heldout
 from knnlm_core.config import BuildConfig, KeyType
 from knnlm_core.corpus import doc_offsets, find_files, iter_documents, token_ids
 from knnlm_core.datastore import (
@@ -77,7 +79,11 @@ def build_datastore(
     if not (work / MANIFEST).exists():
         try:  # input errors surface here, before any expensive work: leave nothing behind
             corpus = _tokenize(work, files, model_dir, config, progress)
-            plan = plan_windows(np.load(work / "doc_offsets.npy"), config.context_length, config.stride)
+            tokens, offsets = np.load(work / "tokens.npy", mmap_mode="r"), np.load(work / "doc_offsets.npy")
+            heldout = split_heldout(tokens, offsets) if config.calibrate else None
+            if heldout is not None:
+                tokens, offsets = heldout.index_tokens, heldout.index_offsets
+            plan = plan_windows(offsets, config.context_length, config.stride)
             if plan.entries == 0:
                 raise CorpusError(f"the corpus ({', '.join(map(str, inputs))}) has no text to index")
             if config.shards > plan.entries:
@@ -86,7 +92,6 @@ def build_datastore(
         except (CorpusError, ModelError):
             shutil.rmtree(work)
             raise
-        tokens = np.load(work / "tokens.npy", mmap_mode="r")
         encode_rate = _encode(work, tokens, plan, encoder, config, progress)
         model = ModelIdentity(
             name=model_dir.name,
@@ -98,7 +103,33 @@ def build_datastore(
         del encoder  # free the model's memory before training and adding
         keys = np.load(work / "keys.npy", mmap_mode="r")
         stats = {"context_length": config.context_length, "stride": config.stride, "encode_tokens_per_s": encode_rate}
-        _index_keys(work, keys, window_values(tokens, plan), model, config.key_type, config, corpus, stats, started, progress)
+        manifest = _index_keys(work, keys, window_values(tokens, plan), model, config.key_type, config, corpus, stats, started, progress)
+        calibration_started = time.monotonic()
+        if heldout is not None:
+            calibration = calibrate_on(
+                work, manifest, model_dir, heldout.tokens, heldout.offsets, f"build: {heldout.description}", config, progress
+            )
+            note = None
+        else:
+            calibration = None
+            note = (
+                "built with --no-calibrate"
+                if not config.calibrate
+                else (
+                    f"the corpus ({corpus.tokens:,} tokens) is too small to hold out a calibration slice of {MIN_HELDOUT_TOKENS:,} tokens "
+                    "(10%): calibrated on nothing, so requests get the server's config defaults; calibrate it on other text with "
+                    "`knnlm-index calibrate`"
+                )
+            )
+            if config.calibrate:
+                logger.warning(note)
+        build = manifest.build.model_copy(
+            update={
+                "calibration_seconds": round(time.monotonic() - calibration_started, 2),
+                "seconds": round(time.monotonic() - started, 2),
+            }
+        )
+        write_manifest(work, manifest.model_copy(update={"calibration": calibration, "calibration_note": note, "build": build}))
     return _publish(work, output, progress)
 
 
@@ -124,7 +155,8 @@ def build_from_keys(
     work.mkdir(parents=True)
     corpus = CorpusStats(sources=[source], documents=0, tokens=len(keys))
     stats = {"context_length": 0, "stride": 0, "encode_tokens_per_s": 0.0}
-    _index_keys(work, keys, np.asarray(values, dtype=np.int32), model, config.key_type, config, corpus, stats, started, progress)
+    manifest = _index_keys(work, keys, np.asarray(values, dtype=np.int32), model, config.key_type, config, corpus, stats, started, progress)
+    write_manifest(work, manifest.model_copy(update={"calibration_note": "built from keys: no text to calibrate on"}))
     return _publish(work, output, progress)
 
 
@@ -139,8 +171,8 @@ def _index_keys(
     stats: dict,
     started: float,
     progress: bool,
-) -> None:
-    """Train the quantizer, add the shards and write the manifest, each phase resumable in `work`."""
+) -> Manifest:
+    """Train the quantizer and add the shards (each phase resumable in `work`); the manifest to write."""
     factory = index_factory_string(config.index, len(keys), keys.shape[1], config.pca_dim)
     train_size = _train(work, keys, factory, config, progress)
     shards = _add_shards(work, keys, values, config, progress)
@@ -161,7 +193,7 @@ def _index_keys(
             tool_version=knnlm_core.__version__,
         ),
     )
-    write_manifest(work, manifest)
+    return manifest
 
 
 def _check_output(output: Path, overwrite: bool) -> None:

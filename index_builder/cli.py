@@ -26,7 +26,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, model: type[BuildConfig])
         if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
             annotation = args[0]
         help_text = f"{field.description or ''} (default: {field.default})".strip()
-        if annotation is bool:
+        if annotation is bool and field.default is True:
+            parser.add_argument("--no-" + flag[2:], dest=name, action="store_false", default=None, help=f"do not: {field.description}")
+        elif annotation is bool:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         elif typing.get_origin(annotation) is typing.Literal:
             parser.add_argument(flag, choices=typing.get_args(annotation), help=help_text)
@@ -47,6 +49,15 @@ def main(argv: list[str] | None = None) -> None:
     build.add_argument("--overwrite", action="store_true", help="replace an existing datastore at --output")
     build.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_config_flags(build, BuildConfig)
+
+    calibrate = commands.add_parser("calibrate", help="fit the served λ, τ, k of a datastore on held-out text (rewrites only the manifest)")
+    calibrate.add_argument("datastore")
+    calibrate.add_argument("texts", nargs="+", help="held-out text of the datastore's domain: files or directories")
+    calibrate.add_argument("--model", default=DEFAULT_MODEL, help='the model the datastore was built for: "default" or a directory')
+    calibrate.add_argument("--context-length", type=int, default=BuildConfig().context_length)
+    calibrate.add_argument("--stride", type=int, default=BuildConfig().stride)
+    calibrate.add_argument("--text-field", default=BuildConfig().text_field, help="field holding the text in .jsonl inputs")
+    calibrate.add_argument("--quiet", action="store_true", help="no progress bars")
 
     inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
     inspect.add_argument("datastore")
@@ -70,11 +81,26 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(validation_message(e)) from None
             model_dir = model_dir_for(args.model)
             build_datastore(args.inputs, Path(args.output), model_dir, config, overwrite=args.overwrite, progress=not args.quiet)
+        elif args.command == "calibrate":
+            from index_builder.calibrate import recalibrate
+            from knnlm_core.datastore import read_manifest
+
+            try:
+                config = BuildConfig(
+                    context_length=args.context_length,
+                    stride=args.stride,
+                    text_field=args.text_field,
+                    dtype=read_manifest(args.datastore).model.dtype,
+                )
+            except ValidationError as e:
+                raise ConfigError(validation_message(e)) from None
+            manifest = recalibrate(args.datastore, args.texts, model_dir_for(args.model), config, progress=not args.quiet)
+            print(json.dumps(manifest.calibration.model_dump(mode="json", by_alias=True), indent=2))
         elif args.command == "inspect":
             from index_builder.verify import inspect_datastore
 
             manifest = inspect_datastore(args.datastore, checksums=not args.no_checksums)
-            print(json.dumps(manifest.model_dump(mode="json"), indent=2))
+            print(json.dumps(manifest.model_dump(mode="json", by_alias=True), indent=2))
             print(
                 f"knnlm-index: {args.datastore}: OK ({'checksums verified' if not args.no_checksums else 'checksums not checked'})",
                 file=sys.stderr,

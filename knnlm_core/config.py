@@ -36,6 +36,7 @@ class BuildConfig(_Strict):
     shards: int = Field(1, gt=0)
     train_sample: int = Field(262_144, gt=0, description="keys sampled to train the quantizers")
     keep_keys: bool = Field(False, description="store fp16 keys beside each shard for exact re-scoring")
+    calibrate: bool = Field(True, description="hold out a slice of the corpus and fit the served λ, τ, k on it")
     text_field: str = Field("text", description="field holding the text in .jsonl inputs")
     on_bad_utf8: Literal["skip", "error"] = Field("skip", description="files that are not UTF-8: skip with a warning, or fail")
     seed: int = 0
@@ -57,6 +58,16 @@ class AdaptiveLambda(_Strict):
     center: float
 
 
+class DatastoreOverride(_Strict):
+    """Per-datastore settings that beat its calibration (a request's vllm_xargs still beat these)."""
+
+    lambda_: float | None = Field(None, ge=0, le=1, alias="lambda")
+    k: int | None = Field(None, gt=0)
+    temperature: float | None = Field(None, gt=0)
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
 class KnnConfig(_Strict):
     """kNN-LM at serving time. Requests may override `enabled`, `lambda_`, `k`, `temperature` and
     the datastore per request through `vllm_xargs` (knn, knn_lambda, knn_k, knn_temperature,
@@ -65,13 +76,16 @@ class KnnConfig(_Strict):
     datastores: dict[str, str] = Field(default_factory=dict, description="name -> datastore directory")
     default_datastore: str | None = Field(None, description="used when a request names none; default: the first")
     enabled: bool = Field(True, description="kNN for requests that do not say knn=true/false")
-    lambda_: float = Field(0.25, ge=0, le=1, alias="lambda", description="weight of p_kNN in the mix")
+    lambda_: float = Field(0.25, ge=0, le=1, alias="lambda", description="weight of p_kNN for datastores without a calibration")
     adaptive_lambda: dict[str, AdaptiveLambda] = Field(
-        default_factory=dict, description="datastore -> adaptive λ, used when a request sets no knn_lambda"
+        default_factory=dict, description="datastore -> adaptive λ, used when a request sets no knn_lambda (beats calibration)"
     )
-    k: int = Field(1024, gt=0, description="neighbours per query")
+    overrides: dict[str, DatastoreOverride] = Field(
+        default_factory=dict, description="datastore -> {lambda, k, temperature} that beat its calibration"
+    )
+    k: int = Field(1024, gt=0, description="neighbours per query for datastores without a calibration")
     max_k: int = Field(2048, gt=0, description="largest k a request may ask for")
-    temperature: float = Field(1.0, gt=0, description="softmax temperature over negative L2 distances")
+    temperature: float = Field(1.0, gt=0, description="softmax temperature over negative L2 distances, without a calibration")
     nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's manifest")
     backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
@@ -144,14 +158,19 @@ def validation_message(e: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
 
 
-class EvalConfig(_Strict):
+class SweepGrid(_Strict):
+    """The (λ, τ, k) grid searched by `knnlm-eval` and by calibration."""
+
+    lambdas: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(21))
+    temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+    ks: tuple[int, ...] = (16, 64, 256, 1024)
+
+
+class EvalConfig(SweepGrid):
     """What `knnlm-eval` sweeps and how it windows the text."""
 
     context_length: int = Field(512, gt=1)
     stride: int = Field(256, gt=0, description="scored (new) tokens per window")
-    lambdas: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(21))
-    temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
-    ks: tuple[int, ...] = (16, 64, 256, 1024)
     nprobes: tuple[int, ...] = ()  # IVF datastores: also search at these nprobe (default: the manifest's)
     exact: bool = False  # also search exactly (flat L2 over the kept keys; needs --keep-keys)
     fractions: tuple[float, ...] = ()  # also search random fractions of the first datastore

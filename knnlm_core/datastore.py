@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from knnlm_core.config import KeyType
+from knnlm_core.config import AdaptiveLambda, KeyType
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.files import sha256_file, write_json_atomic
 
@@ -72,8 +72,28 @@ class BuildStats(_Record):
     stride: int
     seconds: float
     encode_tokens_per_s: float
+    calibration_seconds: float = 0.0
     created: str
     tool_version: str
+
+
+class Calibration(_Record):
+    """The mixing settings that fit this datastore best on held-out text (served by default)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    lambda_: float = Field(alias="lambda", ge=0, le=1)
+    temperature: float = Field(gt=0)
+    k: int = Field(gt=0)
+    adaptive_lambda: AdaptiveLambda
+    mode: Literal["fixed", "adaptive"]  # which λ a request that sets none gets
+    tokens: int  # held-out tokens fitted on (first half) and judged on (second half)
+    base_ppl: float  # on the judged half: the LM alone,
+    knn_ppl: float  # kNN-LM at the fitted fixed λ,
+    adaptive_ppl: float  # and with the adaptive curve
+    heldout: str  # what the held-out text was
+    nprobe: int | None
+    created: str
 
 
 class Manifest(_Record):
@@ -88,6 +108,9 @@ class Manifest(_Record):
     shards: list[ShardEntry]
     corpus: CorpusStats
     build: BuildStats
+    calibration: Calibration | None = None
+    calibration_note: str | None = None  # why there is no calibration
+    calibration_history: list[Calibration] = []  # earlier calibrations, oldest first
 
 
 def read_manifest(path: str | os.PathLike) -> Manifest:
@@ -158,4 +181,4 @@ def load_values(path: Path) -> np.ndarray:
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Written last and atomically: a manifest on disk means the datastore is complete."""
-    write_json_atomic(root / MANIFEST, manifest.model_dump(mode="json"))
+    write_json_atomic(root / MANIFEST, manifest.model_dump(mode="json", by_alias=True))

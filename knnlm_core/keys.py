@@ -65,8 +65,9 @@ class _Captured(Exception):
 
 
 class KeyEncoder:
-    """Runs the HF model over right-padded windows and returns the key vectors; stops the forward
-    pass at the key (skipping the rest of the network and the LM head)."""
+    """Runs the HF model over right-padded windows and returns the key vectors. Without targets it
+    stops the forward pass at the key (skipping the rest of the network and the LM head); with
+    targets (calibration) it runs to the end and also scores log p_LM(target) at every position."""
 
     def __init__(self, model_dir: Path, key_type: KeyType, dtype: str, device: str | None = None):
         from transformers import AutoModelForCausalLM
@@ -77,23 +78,40 @@ class KeyEncoder:
         self.module = key_module(self.model, key_type, architecture)
         self.dim = self.model.config.hidden_size
         self._captured: torch.Tensor | None = None
+        self._stop_at_key = True
         self.module.register_forward_pre_hook(self._capture)
 
     def _capture(self, module, args):
         self._captured = args[0]
-        raise _Captured
+        if self._stop_at_key:
+            raise _Captured
 
     @torch.inference_mode()
     def encode(self, token_batches: list[np.ndarray]) -> list[np.ndarray]:
         """Key vectors [len(tokens), dim] (float32) for each right-padded sequence of the batch."""
+        return self._run(token_batches, None)[0]
+
+    @torch.inference_mode()
+    def encode_and_score(self, token_batches: list[np.ndarray], targets: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Key vectors and log p_LM(target) [len(tokens)] for each sequence (targets[i][j] follows position j)."""
+        return self._run(token_batches, targets)
+
+    def _run(self, token_batches, targets):
         ids, lengths = pad_right(token_batches)
+        self._stop_at_key = targets is None
         try:
             # Causal attention: right padding never reaches the real positions, so no mask.
-            self.model(input_ids=ids.to(self.device), use_cache=False)
+            out = self.model(input_ids=ids.to(self.device), use_cache=False)
         except _Captured:
-            pass
-        keys = self._captured.float().cpu().numpy()
-        return [keys[i, :n] for i, n in enumerate(lengths)]
+            out = None
+        # [batch, length, dim]; some blocks (OPT's fc1) see the batch flattened to [batch * length, dim]
+        keys = self._captured.reshape(ids.shape[0], ids.shape[1], -1).float().cpu().numpy()
+        scores = []
+        if targets is not None:
+            for i, (n, target) in enumerate(zip(lengths, targets)):
+                log_p = torch.log_softmax(out.logits[i, :n].float(), dim=-1)
+                scores.append(log_p.gather(1, torch.as_tensor(target, device=log_p.device).long()[:, None])[:, 0].cpu().numpy())
+        return [keys[i, :n] for i, n in enumerate(lengths)], scores
 
 
 def encode_windows(
@@ -103,13 +121,15 @@ def encode_windows(
     out: np.ndarray,
     batch_size: int,
     *,
+    log_p_out: np.ndarray | None = None,
     first_batch: int = 0,
     after_batch: Callable[[int], None] | None = None,
     progress: bool = True,
     desc: str = "encode",
 ) -> float:
     """Write every entry's key into `out` [entries, dim] in plan order, batch by batch from
-    `first_batch` (to resume); `after_batch(b)` runs once batch b is in `out`. Returns tokens/s fed."""
+    `first_batch` (to resume); `after_batch(b)` runs once batch b is in `out`. With `log_p_out`
+    [entries], also log p_LM of each entry's value. Returns tokens/s fed."""
     import time
 
     windows, offsets = plan.windows, plan.entry_offsets
@@ -119,7 +139,13 @@ def encode_windows(
     t0, fed = time.monotonic(), 0
     for b in range(first_batch, len(starts)):
         i, j = starts[b], min(starts[b] + batch_size, len(windows))
-        vectors = encoder.encode([tokens[f:k1] for f, _, k1 in windows[i:j]])
+        batch = [tokens[f:k1] for f, _, k1 in windows[i:j]]
+        if log_p_out is None:
+            vectors = encoder.encode(batch)
+        else:
+            vectors, scores = encoder.encode_and_score(batch, [tokens[f + 1 : k1 + 1] for f, _, k1 in windows[i:j]])
+            for w, (f, k0, k1), score in zip(range(i, j), windows[i:j], scores):
+                log_p_out[offsets[w] : offsets[w + 1]] = score[k0 - f : k1 - f]
         for w, (f, k0, k1), v in zip(range(i, j), windows[i:j], vectors):
             out[offsets[w] : offsets[w + 1]] = v[k0 - f : k1 - f]
         if after_batch is not None:

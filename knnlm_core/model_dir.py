@@ -24,6 +24,13 @@ def model_config(model_dir: str | os.PathLike) -> dict:
     return json.loads((Path(model_dir) / "config.json").read_text())
 
 
+def hidden_size_of(model_dir: str | os.PathLike) -> int:
+    """The width of the model's hidden states, whatever its config calls it (GPT-2: n_embd)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir).hidden_size
+
+
 def architecture_of(model_dir: str | os.PathLike) -> str:
     """The model's (first) architecture name, as vLLM resolves it."""
     return (model_config(model_dir).get("architectures") or ["?"])[0]
@@ -38,7 +45,7 @@ def check_model_dir(path: str | os.PathLike) -> Path:
     if not config_file.is_file():
         raise ModelError(f"{path} has no config.json, so it is not a Hugging Face model directory")
     architectures = json.loads(config_file.read_text()).get("architectures") or []
-    if not any(a.endswith("ForCausalLM") for a in architectures):
+    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         raise ModelError(f"{path} is not a causal language model (architectures={architectures}); kNN-LM needs a *ForCausalLM model")
     if not any(p.suffix in _WEIGHT_SUFFIXES for p in path.iterdir()):
         raise ModelError(f"{path} has no weight files (*.safetensors or *.bin)")

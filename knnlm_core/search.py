@@ -100,3 +100,22 @@ def merge_topk(answers: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np
 
 def open_shards(root: Path, manifest: Manifest, use_gpu: bool | None = None) -> list[ShardSearcher]:
     return [ShardSearcher(root, shard, use_gpu=use_gpu) for shard in manifest.shards]
+
+
+SEARCH_BATCH = 2048  # queries per FAISS call in offline searches: large batches amortise top-k selection
+
+
+def search_many(
+    shards: list[tuple], queries: np.ndarray, k: int, nprobe: int | None = None, *, progress: bool = False, desc: str = "search"
+):
+    """The merged top-k (distances [n, k], tokens [n, k]) of many queries over `shards`, a list of
+    (index, values, keep-mask or None): offline searches (calibration, knnlm-eval), in batches."""
+    from tqdm import tqdm
+
+    out_d, out_t = [], []
+    for i in tqdm(range(0, len(queries), SEARCH_BATCH), desc=desc, disable=not progress):
+        q = queries[i : i + SEARCH_BATCH]
+        d, t = merge_topk([search_index(index, values, q, k, nprobe, keep) for index, values, keep in shards], k)
+        out_d.append(d)
+        out_t.append(t)
+    return np.concatenate(out_d), np.concatenate(out_t)

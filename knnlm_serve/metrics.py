@@ -39,8 +39,8 @@ FALLBACKS = Counter("knnlm_fallbacks", "rows served with fewer shards or LM-only
 REQUESTS = Counter("knnlm_requests", "requests admitted, by datastore ('none' = kNN off)", ["datastore"])
 DATASTORE_INFO = Gauge(
     "knnlm_datastore_info",
-    "serving datastores (value 1)",
-    ["datastore", "version", "entries", "shards", "key_type"],
+    "serving datastores (value 1) and the mixing defaults in force; settings_from = where λ came from",
+    ["datastore", "version", "entries", "shards", "key_type", "lambda", "k", "temperature", "settings_from"],
     multiprocess_mode="mostrecent",
 )
 SWAPS = Counter("knnlm_swaps", "datastore loads and hot-swaps, by result", ["datastore", "result"])

@@ -12,11 +12,51 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from knnlm_core.config import KeyType, KnnConfig
-from knnlm_core.datastore import Manifest, check_compatible, read_manifest, shard_files
+from knnlm_core.config import AdaptiveLambda, KeyType, KnnConfig
+from knnlm_core.datastore import Calibration, Manifest, check_compatible, read_manifest, shard_files
 from knnlm_core.errors import DatastoreError
 from knnlm_core.keys import no_ffn_input_error, supports_ffn_input
-from knnlm_core.model_dir import architecture_of, model_config, model_fingerprint
+from knnlm_core.model_dir import architecture_of, hidden_size_of, model_fingerprint
+
+
+class MixDefaults(BaseModel):
+    """What a request that sets no knob gets from one datastore, and where each value comes from."""
+
+    model_config = {"frozen": True}
+
+    lambda_: float | None  # None: adaptive λ from the nearest distance
+    adaptive_lambda: AdaptiveLambda | None
+    k: int
+    temperature: float
+    source: dict[str, str]  # "lambda" / "k" / "temperature" -> "config override" | "calibration" | "config default"
+
+
+def mix_defaults(knn: KnnConfig, name: str, calibration: Calibration | None) -> MixDefaults:
+    """Per datastore: the config's overrides beat the datastore's calibration, which beats the config's defaults."""
+    values = {"lambda": knn.lambda_, "k": knn.k, "temperature": knn.temperature}
+    source = dict.fromkeys(values, "config default")
+    adaptive = None
+    if calibration is not None:
+        values.update({"lambda": calibration.lambda_, "k": min(calibration.k, knn.max_k), "temperature": calibration.temperature})
+        source = dict.fromkeys(values, "calibration")
+        if calibration.mode == "adaptive":
+            adaptive = calibration.adaptive_lambda
+    override = knn.overrides.get(name)
+    for field in ("lambda", "k", "temperature"):
+        value = getattr(override, "lambda_" if field == "lambda" else field, None) if override else None
+        if value is not None:
+            values[field], source[field] = value, "config override"
+            if field == "lambda":
+                adaptive = None
+    if name in knn.adaptive_lambda and not (override and override.lambda_ is not None):
+        adaptive, source["lambda"] = knn.adaptive_lambda[name], "config override"
+    return MixDefaults(
+        lambda_=None if adaptive else values["lambda"],
+        adaptive_lambda=adaptive,
+        k=values["k"],
+        temperature=values["temperature"],
+        source=source,
+    )
 
 
 class DatastoreInfo(BaseModel):
@@ -32,6 +72,8 @@ class DatastoreInfo(BaseModel):
     index: str
     fingerprint: str
     bytes: int
+    calibration: Calibration | None = None
+    defaults: MixDefaults | None = None  # set by the registry from the config and the calibration
 
     @property
     def key(self) -> tuple[str, int]:
@@ -49,6 +91,7 @@ class DatastoreInfo(BaseModel):
             index=manifest.index.factory,
             fingerprint=manifest.model.fingerprint,
             bytes=sum(f.bytes for s in manifest.shards for f in shard_files(s)),
+            calibration=manifest.calibration,
         )
 
 
@@ -76,7 +119,7 @@ class ServedModel:
             Path(model_dir),
             architecture_of(model_dir),
             model_fingerprint(model_dir),
-            model_config(model_dir)["hidden_size"],
+            hidden_size_of(model_dir),
             supports_ffn_input(model_dir),
         )
 

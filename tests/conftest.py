@@ -34,3 +34,29 @@ def plain_tiny_server(tiny_model_dir, tmp_path_factory):
     """Stock vLLM behaviour: the tiny model served with no datastore."""
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir)}, tmp_path_factory.mktemp("plain")) as server:
         yield server
+
+
+def prompt_logprobs(server, prompt: list[int], model: str = "tiny", **xargs):
+    """log p of each prompt token after the first, as served (echo), with these vllm_xargs."""
+    import numpy as np
+
+    result = server.openai_client().completions.create(
+        model=model, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1, extra_body={"vllm_xargs": xargs}
+    )
+    return np.array(result.choices[0].logprobs.token_logprobs[1 : len(prompt)], dtype=np.float64)
+
+
+def greedy(server, prompt, max_tokens: int, model: str = "tiny", **xargs):
+    """A greedy completion with its token ids and logprobs, with these vllm_xargs."""
+    return (
+        server.openai_client()
+        .completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            logprobs=1,
+            extra_body={"vllm_xargs": xargs, "return_token_ids": True},
+        )
+        .choices[0]
+    )

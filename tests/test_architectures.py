@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import greedy, prompt_logprobs
 from tiny_models import ARCHITECTURES, make_tiny_model
 
 from index_builder.build import build_datastore
@@ -50,19 +51,9 @@ class Served:
     plain: dict
 
 
-def complete(server, prompt, max_tokens=CONTINUATION, **xargs):
-    choice = server.openai_client().completions.create(
-        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
-        extra_body={"vllm_xargs": xargs, "return_token_ids": True},
-    ).choices[0]
+def complete(server, prompt, **xargs):
+    choice = greedy(server, prompt, CONTINUATION, **xargs)
     return {"tokens": choice.token_ids, "logprobs": np.array(choice.logprobs.token_logprobs)}
-
-
-def prompt_logprobs(server, ids, **xargs) -> np.ndarray:
-    result = server.openai_client().completions.create(
-        model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1, extra_body={"vllm_xargs": xargs}
-    )
-    return np.array(result.choices[0].logprobs.token_logprobs[1 : len(ids)], dtype=np.float64)
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)

@@ -18,8 +18,18 @@ from knnlm_serve.runtime import DatastoreInfo, Runtime
 
 
 def info(name: str, version: int) -> DatastoreInfo:
-    return DatastoreInfo(name=name, version=version, path=f"/ds/{name}", key_type="ffn_input", nprobe=None, entries=10,
-                         shards=["shard-000"], index="Flat", fingerprint="f", bytes=1)
+    return DatastoreInfo(
+        name=name,
+        version=version,
+        path=f"/ds/{name}",
+        key_type="ffn_input",
+        nprobe=None,
+        entries=10,
+        shards=["shard-000"],
+        index="Flat",
+        fingerprint="f",
+        bytes=1,
+    )
 
 
 def runtime(*infos: DatastoreInfo, default: str | None = None) -> Runtime:

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import openai
 import pytest
-from conftest import TINY_SERVER
+from conftest import TINY_SERVER, greedy, prompt_logprobs
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -51,15 +51,7 @@ def knn_server(tiny_model_dir, tmp_path_factory):
 
 
 def complete(server, prompt, max_tokens=16, **xargs):
-    result = server.openai_client().completions.create(
-        model="tiny",
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        logprobs=1,
-        extra_body={"vllm_xargs": xargs, "return_token_ids": True},
-    )
-    return result.choices[0]
+    return greedy(server, prompt, max_tokens, **xargs)
 
 
 def prefix_length(ids):
@@ -84,19 +76,6 @@ def test_knn_off_and_lambda_zero_equal_plain_vllm(knn_server, plain_tiny_server,
         assert choice.token_ids == plain.token_ids
         np.testing.assert_allclose(choice.logprobs.token_logprobs, plain.logprobs.token_logprobs, atol=1e-4)
     assert plain.token_ids != ids[len(prompt) : len(prompt) + 16]  # the random model alone does not recall it
-
-
-def prompt_logprobs(server, prompt, **xargs):
-    result = server.openai_client().completions.create(
-        model="tiny",
-        prompt=prompt,
-        max_tokens=1,
-        temperature=0,
-        echo=True,
-        logprobs=1,
-        extra_body={"vllm_xargs": xargs},
-    )
-    return np.array(result.choices[0].logprobs.token_logprobs[1:-1], dtype=np.float64)
 
 
 def test_one_and_three_shards_give_the_same_answers(knn_server, token_ids):

@@ -16,7 +16,13 @@ def imported_packages(package: str) -> set[str]:
     found = set()
     for file in (ROOT / package).rglob("*.py"):
         for node in ast.walk(ast.parse(file.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             found |= {n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES}
     return found - {package}
 
@@ -32,9 +38,7 @@ def test_import_graph_has_no_cycle_and_the_core_imports_neither_side():
 def test_vllm_internals_are_read_in_one_module():
     """Attributes of vLLM's runner, worker and model tables appear in the adapter alone."""
     internal = re.compile(r"\.(model_runner|input_batch|query_start_loc|logitsprocs|get_model)\b|_TEXT_GENERATION_MODELS")
-    readers = sorted(
-        str(f.relative_to(ROOT)) for p in PACKAGES for f in (ROOT / p).rglob("*.py") if internal.search(f.read_text())
-    )
+    readers = sorted(str(f.relative_to(ROOT)) for p in PACKAGES for f in (ROOT / p).rglob("*.py") if internal.search(f.read_text()))
     assert readers == ["knnlm_serve/engine/vllm_adapter.py"]
 
 

@@ -58,18 +58,22 @@ class KnnMixer:
         return Neighbours(
             distances,
             tokens,
-            self._lambdas(info.name, params, distances[:, 0], runtime),
+            self._lambdas(params, distances[:, 0]),
             np.array([p.temperature for p in params], dtype=np.float32),
         )
 
     @staticmethod
-    def _lambdas(datastore: str, params: list[KnnParams], nearest: np.ndarray, runtime: Runtime) -> np.ndarray:
-        """Each row's λ: the request's, or adaptive from its nearest neighbour's distance."""
-        fixed = np.array([np.nan if p.lambda_ is None else p.lambda_ for p in params], dtype=np.float32)
-        if np.isnan(fixed).any():
-            a = runtime.knn.adaptive_lambda[datastore]
-            fixed = np.where(np.isnan(fixed), adaptive_lambda(nearest, a.lambda_max, a.slope, a.center), fixed)
-        return fixed.astype(np.float32)
+    def _lambdas(params: list[KnnParams], nearest: np.ndarray) -> np.ndarray:
+        """Each row's λ: fixed, or adaptive from its nearest neighbour's distance."""
+        return np.array(
+            [
+                p.lambda_
+                if p.lambda_ is not None
+                else adaptive_lambda(d, p.adaptive_lambda.lambda_max, p.adaptive_lambda.slope, p.adaptive_lambda.center)
+                for p, d in zip(params, nearest)
+            ],
+            dtype=np.float32,
+        )
 
     @staticmethod
     def mix(logits: torch.Tensor, rows: list[int], found: Neighbours, datastore: str) -> None:

@@ -2,10 +2,12 @@
 
     knn              true/false   use kNN for this request
     knn_datastore    name         one of the server's datastores
-    knn_lambda       [0, 1]       weight of p_kNN (unset: adaptive λ where configured)
+    knn_lambda       [0, 1]       weight of p_kNN
     knn_k            1..max_k     neighbours per query
     knn_temperature  > 0          softmax temperature over negative distances
 
+A knob the request leaves out takes the datastore's default (runtime.mix_defaults: config
+override, else the datastore's calibration, else the config's default; λ may be adaptive).
 Parsed the same way in the API server (to reject bad values with HTTP 400) and in the worker.
 Keys of other plugins pass; a misspelt `knn_*` key is refused rather than silently ignored.
 """
@@ -15,8 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from knnlm_core.config import AdaptiveLambda
 from knnlm_core.errors import KnnlmError
-from knnlm_serve.runtime import Runtime
+from knnlm_serve.runtime import Runtime, mix_defaults
 
 KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature")
 
@@ -31,9 +34,10 @@ class KnnParamError(KnnlmError):
 class KnnParams:
     enabled: bool
     datastore: str | None
-    lambda_: float | None  # None: adaptive, from the nearest neighbour's distance (knn.adaptive_lambda)
+    lambda_: float | None  # None: adaptive, from the nearest neighbour's distance
     k: int
     temperature: float
+    adaptive_lambda: AdaptiveLambda | None = None
 
     @property
     def active(self) -> bool:
@@ -53,17 +57,20 @@ def parse_knn_params(extra_args: dict | None, runtime: Runtime) -> KnnParams:
     datastore = args.get("knn_datastore", runtime.default)
     if "knn_datastore" in args and datastore not in runtime.datastores:
         raise KnnParamError("knn_datastore", datastore, f"one of {sorted(runtime.datastores)}")
-    if "knn_lambda" not in args and datastore in config.adaptive_lambda:
-        lambda_ = None
+    info = runtime.datastores.get(datastore)
+    defaults = (info.defaults if info else None) or mix_defaults(config, datastore, info.calibration if info else None)
+    adaptive = None
+    if "knn_lambda" in args or defaults.lambda_ is not None:
+        lambda_ = _number("knn_lambda", args.get("knn_lambda", defaults.lambda_), 0.0, 1.0, "a number in [0, 1]")
     else:
-        lambda_ = _number("knn_lambda", args.get("knn_lambda", config.lambda_), 0.0, 1.0, "a number in [0, 1]")
-    k = args.get("knn_k", config.k)
+        lambda_, adaptive = None, defaults.adaptive_lambda
+    k = args.get("knn_k", defaults.k)
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= config.max_k:
         raise KnnParamError("knn_k", k, f"an integer in [1, {config.max_k}]")
-    temperature = _number("knn_temperature", args.get("knn_temperature", config.temperature), 0.0, math.inf, "a number > 0")
+    temperature = _number("knn_temperature", args.get("knn_temperature", defaults.temperature), 0.0, math.inf, "a number > 0")
     if temperature == 0:
         raise KnnParamError("knn_temperature", temperature, "a number > 0")
-    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature)
+    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature, adaptive)
 
 
 def _bool(value) -> bool:

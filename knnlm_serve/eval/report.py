@@ -26,6 +26,12 @@ def markdown_table(summary: dict) -> str:
         f"| adaptive λ on {a['variant']}: λ = {a['lambda_max']:g}·σ({a['slope']:.3g}·({a['center']:.4g} − d₁)) | {a['k']} | "
         f"{a['temperature']:g} | mean {a['mean_lambda_report']:.3f} | {a['tune_ppl']:.3f} | {a['report_ppl']:.3f} |"
     )
+    sd = summary["served_defaults"]
+    lam = sd["lambda"] if sd["lambda"] == "adaptive" else f"{sd['lambda']:g}"
+    rows.append(
+        f"| served defaults (no knobs; λ from {sd['source']['lambda']}), {sd['gap_to_best_pct']:+.2f}% vs tuned best | {sd['k']} | "
+        f"{sd['temperature']:g} | {lam} | {sd['tune_ppl']:.3f} | {sd['report_ppl']:.3f} |"
+    )
     s = summary["served"]
     rows.append(
         f"| served through vLLM: {s['variant']} | {s['k']} | {s['temperature']:g} | {s['lambda']:g} | "

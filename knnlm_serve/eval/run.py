@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_core.config import EvalConfig
-from knnlm_core.mixture import knn_log_prob, mixture_log_prob
+from knnlm_core.calibration import fit_adaptive_lambda, perplexity, sweep
+from knnlm_core.config import EvalConfig, KnnConfig
+from knnlm_core.mixture import adaptive_lambda, knn_log_prob, mixture_log_prob
 from knnlm_core.model_dir import model_fingerprint
 from knnlm_serve.eval.score import Variant, encode_keys, find_neighbours, open_engine, plan_variants, score_with_vllm
-from knnlm_serve.eval.sweep import fit_adaptive_lambda, perplexity, sweep
 from knnlm_serve.eval.text import EvalError, load_eval_text
-from knnlm_serve.runtime import ServedModel, check_datastore
+from knnlm_serve.runtime import DatastoreInfo, ServedModel, check_datastore, mix_defaults
 
 
 @dataclass
@@ -89,6 +89,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     sd, sm = neighbours[served]
     log_p_numpy = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
     del llm
+    served_defaults = _served_defaults(checked[main][0], log_p_lm, sd, sm, tune, best)
     timings["total_s"] = time.monotonic() - started
 
     summary = {
@@ -108,6 +109,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
         "base": {"tune_ppl": perplexity(log_p_lm[tune]), "report_ppl": perplexity(log_p_lm[~tune])},
         "best": {"variant": best_v.label, "index": best_v.index, "nprobe": best_v.nprobe, "key_type": best_v.key_type, **best},
         "adaptive": {"variant": best_v.label, "k": best["k"], "temperature": best["temperature"], **adaptive},
+        "served_defaults": served_defaults,
         "served": {
             "variant": served.label,
             **{k: sb[k] for k in ("k", "temperature", "lambda")},
@@ -130,6 +132,26 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
         "d_nearest": sd[:, 0],
     }
     return EvalRun(_plain(summary), arrays)
+
+
+def _served_defaults(info: DatastoreInfo, log_p_lm, distances, match, tune, best: dict) -> dict:
+    """What a request that sets no knob gets from the first datastore as built (its calibration,
+    else the config defaults), scored from the same neighbours, and its gap to the tuned best."""
+    d = mix_defaults(KnnConfig(), info.name, info.calibration)
+    k = min(d.k, distances.shape[1])
+    lam = d.lambda_ if d.lambda_ is not None else adaptive_lambda(distances[:, 0].astype(np.float64), **d.adaptive_lambda.model_dump())
+    mix = mixture_log_prob(log_p_lm, knn_log_prob(distances, match, k, d.temperature), lam, np.isfinite(distances[:, 0]))
+    report = perplexity(mix[~tune])
+    return {
+        "lambda": "adaptive" if d.lambda_ is None else d.lambda_,
+        "k": k,
+        "temperature": d.temperature,
+        "adaptive_lambda": d.adaptive_lambda.model_dump() if d.adaptive_lambda else None,
+        "source": d.source,
+        "tune_ppl": perplexity(mix[tune]),
+        "report_ppl": report,
+        "gap_to_best_pct": 100 * (report / best["report_ppl"] - 1),
+    }
 
 
 def _plain(value):

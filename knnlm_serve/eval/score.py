@@ -13,16 +13,13 @@ from pathlib import Path
 
 import faiss
 import numpy as np
-from tqdm import tqdm
 
 from knnlm_core.config import EvalConfig, KeyType, KnnConfig
 from knnlm_core.datastore import Manifest
 from knnlm_core.keys import KeyEncoder, encode_windows
-from knnlm_core.search import merge_topk, open_shards, search_index
+from knnlm_core.search import open_shards, search_many
 from knnlm_serve.eval.text import EvalError, EvalText
 from knnlm_serve.runtime import DatastoreInfo, Runtime
-
-SEARCH_BATCH = 2048
 
 
 def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
@@ -131,10 +128,4 @@ def find_neighbours(root: Path, manifest: Manifest, variant: Variant, keys: np.n
             index.add(np.load(root / entry.keys.path, mmap_mode="r").astype(np.float32))
         keep = rng.random(s.ntotal) < variant.fraction if variant.fraction < 1 else None
         shards.append((index, s.values, keep))
-    out_d, out_t = [], []
-    for i in tqdm(range(0, len(keys), SEARCH_BATCH), desc=f"search {variant.label}", disable=not config.progress):
-        q = keys[i : i + SEARCH_BATCH]
-        d, t = merge_topk([search_index(ix, v, q, k, variant.nprobe, keep) for ix, v, keep in shards], k)
-        out_d.append(d)
-        out_t.append(t)
-    return np.concatenate(out_d), np.concatenate(out_t)
+    return search_many(shards, keys, k, variant.nprobe, progress=config.progress, desc=f"search {variant.label}")

@@ -25,7 +25,7 @@ from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.search import open_shards
 from knnlm_serve import metrics
 from knnlm_serve.retrieval import actor_name, start_shard_actors
-from knnlm_serve.runtime import DatastoreInfo, Runtime, ServedModel, check_datastore
+from knnlm_serve.runtime import DatastoreInfo, Runtime, ServedModel, check_datastore, mix_defaults
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -146,7 +146,8 @@ class DatastoreRegistry:
         if expected is not None and manifest.key_type != expected:
             raise DatastoreError(f"datastore at {path} has key type {manifest.key_type!r}, expected {expected!r}")
         self._versions[name] = self._versions.get(name, 0) + 1
-        return info.model_copy(update={"version": self._versions[name]})
+        defaults = mix_defaults(self.runtime.knn, name, info.calibration)
+        return info.model_copy(update={"version": self._versions[name], "defaults": defaults})
 
     def _probe(self, info: DatastoreInfo) -> None:
         """One real query through the new version before it may serve."""
@@ -176,7 +177,7 @@ class DatastoreRegistry:
             self._engine.set_runtime(runtime)  # raises if the workers did not take it: nothing changed
         self.runtime = runtime
         # Multiprocess files keep every label set ever written: retire old ones with 0, not clear().
-        labels = {(i.name, str(i.version), str(i.entries), str(len(i.shards)), i.key_type) for i in datastores.values()}
+        labels = {_info_labels(i) for i in datastores.values()}
         for old in self._info_labels - labels:
             metrics.DATASTORE_INFO.labels(*old).set(0)
         for new in labels:
@@ -218,3 +219,19 @@ class DatastoreRegistry:
     @staticmethod
     def _describe(info: DatastoreInfo, status: str) -> dict:
         return {**info.model_dump(), "status": status}
+
+
+def _info_labels(info: DatastoreInfo) -> tuple[str, ...]:
+    d = info.defaults
+    lam = "adaptive" if d.lambda_ is None else f"{d.lambda_:g}"
+    return (
+        info.name,
+        str(info.version),
+        str(info.entries),
+        str(len(info.shards)),
+        info.key_type,
+        lam,
+        str(d.k),
+        f"{d.temperature:g}",
+        d.source["lambda"],
+    )

@@ -1,0 +1,83 @@
+"""Calibration: score held-out text with the base LM and through the datastore's own search, fit
+λ, τ, k and the adaptive-λ curve, and store them in the manifest as the served defaults.
+
+`knnlm-index build` calibrates on the slice it held out of the corpus (knnlm_core.calibration
+.split_heldout); `knnlm-index calibrate` on the user's own text, keeping the old calibration in
+the manifest's history. Either way the search is the one the server runs: the index as built, at
+the manifest's nprobe. The shards are never touched; the manifest is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from knnlm_core.calibration import MIN_HELDOUT_TOKENS, fit_calibration
+from knnlm_core.config import BuildConfig, SweepGrid
+from knnlm_core.corpus import find_files, tokenize_files
+from knnlm_core.datastore import Calibration, Manifest, check_compatible, read_manifest, write_manifest
+from knnlm_core.errors import CorpusError
+from knnlm_core.keys import KeyEncoder, encode_windows
+from knnlm_core.model_dir import model_fingerprint
+from knnlm_core.search import open_shards, search_many
+from knnlm_core.windows import plan_windows, window_values
+
+logger = logging.getLogger("index_builder")
+
+
+def calibrate_on(
+    root: Path,
+    manifest: Manifest,
+    model_dir: Path,
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    heldout: str,
+    config: BuildConfig,
+    progress: bool,
+) -> Calibration:
+    plan = plan_windows(offsets, config.context_length, config.stride)
+    encoder = KeyEncoder(model_dir, manifest.key_type, config.dtype)
+    keys = np.empty((plan.entries, encoder.dim), dtype=np.float32)
+    log_p_lm = np.empty(plan.entries, dtype=np.float64)
+    encode_windows(encoder, tokens, plan, keys, config.batch_size, log_p_out=log_p_lm, progress=progress, desc="calibrate")
+    del encoder
+    targets = window_values(tokens, plan)
+    shards = [(s.index, s.values, None) for s in open_shards(root, manifest)]
+    distances, found = search_many(shards, keys, max(SweepGrid().ks), manifest.index.nprobe)
+    fit = fit_calibration(log_p_lm, distances, found == targets[:, None])
+    calibration = Calibration(
+        **fit, heldout=heldout, nprobe=manifest.index.nprobe, created=datetime.now(timezone.utc).isoformat(timespec="seconds")
+    )
+    logger.info(
+        "calibration on %s held-out tokens: λ %.2f, τ %g, k %d, serving %s λ; ppl base %.3f -> kNN %.3f (adaptive %.3f)",
+        f"{fit['tokens']:,}",
+        calibration.lambda_,
+        calibration.temperature,
+        calibration.k,
+        calibration.mode,
+        calibration.base_ppl,
+        calibration.knn_ppl,
+        calibration.adaptive_ppl,
+    )
+    return calibration
+
+
+def recalibrate(datastore: str | Path, texts: list[str | Path], model_dir: Path, config: BuildConfig, progress: bool = True) -> Manifest:
+    """`knnlm-index calibrate`: calibrate an existing datastore on held-out text of the user's."""
+    root = Path(datastore)
+    manifest = read_manifest(root)
+    check_compatible(manifest, fingerprint=model_fingerprint(model_dir), where=f"datastore {root}")
+    tokens, offsets = tokenize_files(find_files(texts), model_dir, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8)
+    if len(tokens) - (len(offsets) - 1) < MIN_HELDOUT_TOKENS:
+        raise CorpusError(
+            f"the calibration text ({', '.join(map(str, texts))}) has {len(tokens)} tokens; calibrating needs at least "
+            f"{MIN_HELDOUT_TOKENS} scored tokens of held-out text from the datastore's domain"
+        )
+    calibration = calibrate_on(root, manifest, model_dir, tokens, offsets, f"texts: {', '.join(map(str, texts))}", config, progress)
+    history = [*manifest.calibration_history, *([manifest.calibration] if manifest.calibration else [])]
+    updated = manifest.model_copy(update={"calibration": calibration, "calibration_note": None, "calibration_history": history})
+    write_manifest(root, updated)
+    return updated

@@ -1,0 +1,171 @@
+"""Fitting the mixture to held-out text: sweeps over (k, τ, λ) and the adaptive-λ curve.
+
+Plain functions over per-token arrays (no model, no search): log p_LM(target), the k nearest
+distances and whether each neighbour's value is the target. `knnlm-eval` reports them;
+`knnlm-index` stores the best as the datastore's calibration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from knnlm_core.config import SweepGrid
+from knnlm_core.mixture import adaptive_lambda, knn_log_prob, mixture_log_prob
+
+
+def perplexity(log_probs: np.ndarray) -> float:
+    return float(np.exp(-np.mean(log_probs, dtype=np.float64)))
+
+
+def sweep(log_p_lm: np.ndarray, distances: np.ndarray, match: np.ndarray, tune: np.ndarray, config: SweepGrid) -> dict:
+    """Perplexity on both parts for every (k, τ, λ), and the setting with the best tuning perplexity."""
+    has = np.isfinite(distances[:, 0])
+    ks = [k for k in config.ks if k <= distances.shape[1]]
+    shape = (len(ks), len(config.temperatures), len(config.lambdas))
+    tune_ppl, report_ppl = np.empty(shape), np.empty(shape)
+    for a, k in enumerate(ks):
+        for b, tau in enumerate(config.temperatures):
+            log_p_knn = knn_log_prob(distances, match, k, tau)
+            for c, lam in enumerate(config.lambdas):
+                mix = mixture_log_prob(log_p_lm, log_p_knn, lam, has)
+                tune_ppl[a, b, c], report_ppl[a, b, c] = perplexity(mix[tune]), perplexity(mix[~tune])
+    a, b, c = np.unravel_index(np.nanargmin(tune_ppl), shape)
+    best = {
+        "k": ks[a],
+        "temperature": config.temperatures[b],
+        "lambda": config.lambdas[c],
+        "tune_ppl": tune_ppl[a, b, c],
+        "report_ppl": report_ppl[a, b, c],
+    }
+    grid = {
+        "k": ks,
+        "temperature": list(config.temperatures),
+        "lambda": list(config.lambdas),
+        "tune_ppl": tune_ppl.round(4).tolist(),
+        "report_ppl": report_ppl.round(4).tolist(),
+    }
+    return {"best": best, "grid": grid}
+
+
+def fit_adaptive_lambda(log_p_lm, log_p_knn, d_nearest, tune, config: SweepGrid) -> dict:
+    """Grid search of (λ_max, slope, center) on the tuning part (after Drozdov et al., 2022)."""
+    has = np.isfinite(d_nearest)
+    d = np.where(has, d_nearest, 0.0)
+    spread = float(np.std(d[tune & has])) or 1.0
+    centers = np.quantile(d[tune & has], np.linspace(0.05, 0.95, 19))
+    best = None
+    for lambda_max in (lam for lam in config.lambdas if lam > 0):
+        for slope in (s / spread for s in (0.25, 0.5, 1, 2, 4, 8)):
+            for center in centers:
+                lam = adaptive_lambda(d, lambda_max, slope, center)
+                ppl = perplexity(mixture_log_prob(log_p_lm[tune], log_p_knn[tune], lam[tune], has[tune]))
+                if best is None or ppl < best[0]:
+                    best = (ppl, lambda_max, slope, float(center))
+    ppl, lambda_max, slope, center = best
+    lam = adaptive_lambda(d, lambda_max, slope, center)
+    report = perplexity(mixture_log_prob(log_p_lm[~tune], log_p_knn[~tune], lam[~tune], has[~tune]))
+    return {
+        "lambda_max": lambda_max,
+        "slope": slope,
+        "center": center,
+        "tune_ppl": ppl,
+        "report_ppl": report,
+        "mean_lambda_report": float(np.mean(np.where(has, lam, 0)[~tune])),
+    }
+
+
+# ------------------------------------------------------------------ the held-out slice of a corpus
+
+HELDOUT_SHARE = 0.10  # of the corpus's tokens, at most
+MAX_HELDOUT_TOKENS = 8192
+MIN_HELDOUT_TOKENS = 1024  # below this a fit is noise: the corpus is calibrated on nothing
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A corpus split into what the index keeps and the slice held out to calibrate on."""
+
+    index_tokens: np.ndarray
+    index_offsets: np.ndarray
+    tokens: np.ndarray
+    offsets: np.ndarray
+    description: str
+
+
+def split_heldout(tokens: np.ndarray, doc_offsets: np.ndarray) -> HeldOut | None:
+    """Hold out T = min(8192, 10% of the corpus) tokens, or nothing when T < 1024.
+
+    Whole documents, in the order of a hash of their tokens (stable whatever the file order), each
+    taken only if it keeps the slice under 2T, until the slice reaches T. Where whole documents
+    cannot give T/2 (one document, or a few large ones), the last T tokens of the longest
+    document instead. The index never sees the slice."""
+    total = int(doc_offsets[-1])
+    budget = min(MAX_HELDOUT_TOKENS, int(HELDOUT_SHARE * total))
+    if budget < MIN_HELDOUT_TOKENS:
+        return None
+    starts, ends = doc_offsets[:-1], doc_offsets[1:]
+    order = sorted(range(len(starts)), key=lambda d: hashlib.sha256(tokens[starts[d] : ends[d]].tobytes()).hexdigest())
+    chosen, size = [], 0
+    for d in order:
+        length = int(ends[d] - starts[d])
+        if size >= budget:
+            break
+        if size + length <= 2 * budget and len(chosen) + 1 < len(starts):
+            chosen.append(d)
+            size += length
+    keep = np.ones(total, dtype=bool)
+    if size >= budget // 2:
+        for d in chosen:
+            keep[starts[d] : ends[d]] = False
+        description = f"{len(chosen)} whole document(s) of {len(starts)}, chosen by a hash of their tokens"
+        held_lengths = [int(ends[d] - starts[d]) for d in sorted(chosen)]
+        held = np.concatenate([tokens[starts[d] : ends[d]] for d in sorted(chosen)])
+    else:
+        longest = int(np.argmax(ends - starts))
+        keep[ends[longest] - budget : ends[longest]] = False
+        description = f"the last {budget} tokens of the longest document (of {len(starts)})"
+        held_lengths = [budget]
+        held = tokens[ends[longest] - budget : ends[longest]]
+    kept_lengths = [int(keep[s:e].sum()) for s, e in zip(starts, ends)]
+    return HeldOut(tokens[keep], _offsets([n for n in kept_lengths if n > 0]), held, _offsets(held_lengths), description)
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+# ------------------------------------------------------------------ the fit a datastore stores
+
+
+def fit_calibration(log_p_lm: np.ndarray, distances: np.ndarray, match: np.ndarray, grid: SweepGrid = SweepGrid()) -> dict:
+    """λ, τ, k and the adaptive-λ curve that fit held-out tokens best, and which of the two to serve.
+
+    Fitted on the first half of the tokens (text order), judged on the second: the adaptive curve is
+    served only where it beats the fixed λ there. τ is searched on the grid and on multiples of the
+    median nearest distance, since distance scales differ by model."""
+    d1 = distances[:, 0][np.isfinite(distances[:, 0])]
+    scale = float(np.median(d1)) if len(d1) and np.median(d1) > 0 else 1.0
+    temperatures = tuple(sorted({*grid.temperatures, *(round(scale * m, 6) for m in (0.05, 0.1, 0.2, 0.5, 1, 2, 5))}))
+    grid = grid.model_copy(
+        update={"temperatures": temperatures, "ks": tuple(k for k in grid.ks if k <= distances.shape[1]) or (distances.shape[1],)}
+    )
+    tune = np.arange(len(log_p_lm)) < len(log_p_lm) // 2
+    best = sweep(log_p_lm, distances, match, tune, grid)["best"]
+    log_p_knn = knn_log_prob(distances, match, best["k"], best["temperature"])
+    adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, grid)
+    return {
+        "lambda": best["lambda"],
+        "temperature": best["temperature"],
+        "k": best["k"],
+        "adaptive_lambda": {key: adaptive[key] for key in ("lambda_max", "slope", "center")},
+        "mode": "adaptive" if adaptive["report_ppl"] < best["report_ppl"] else "fixed",
+        "tokens": int(len(log_p_lm)),
+        "base_ppl": perplexity(log_p_lm[~tune]),
+        "knn_ppl": best["report_ppl"],
+        "adaptive_ppl": adaptive["report_ppl"],
+    }

@@ -1,0 +1,190 @@
+"""Calibrated datastores: the build holds a slice out and fits λ, τ, k on it; the server serves them
+to requests that name no knob; config overrides and request knobs still win; `calibrate` is atomic."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import requests
+from conftest import TINY_SERVER, prompt_logprobs
+
+from index_builder.build import build_datastore
+from index_builder.default_datastore import stdlib_documents
+from knnlm_core.calibration import split_heldout
+from knnlm_core.config import BuildConfig
+from knnlm_core.datastore import MANIFEST, read_manifest
+from knnlm_serve.server.process import RunningServer
+
+TOKEN = "cal-token"
+CONFIG = BuildConfig(index="flat", context_length=256, stride=128)
+INDEXED = ("json", "argparse", "collections", "functools", "itertools", "pathlib", "dataclasses", "heapq", "statistics")
+OTHER = ("bisect", "textwrap", "shlex", "csv")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cal-corpus")
+    docs = stdlib_documents(INDEXED + OTHER)
+    for name in INDEXED:
+        (root / "indexed").mkdir(exist_ok=True)
+        (root / "indexed" / f"{name}.txt").write_text(docs[name])
+    for name in OTHER:
+        (root / "other").mkdir(exist_ok=True)
+        (root / "other" / f"{name}.txt").write_text(docs[name])
+    return root
+
+
+@pytest.fixture(scope="module")
+def datastores(corpus, tiny_model_dir):
+    root = corpus / "datastores"
+    build_datastore([corpus / "indexed"], root / "cal", tiny_model_dir, CONFIG, progress=False)
+    shutil.copytree(root / "cal", root / "old")  # as built before calibration existed: no such section
+    manifest = json.loads((root / "old" / MANIFEST).read_text())
+    for key in ("calibration", "calibration_note", "calibration_history"):
+        manifest.pop(key)
+    (root / "old" / MANIFEST).write_text(json.dumps(manifest))
+    return root
+
+
+def test_the_build_holds_a_slice_out_and_stores_its_fit(datastores, corpus, tiny_model_dir):
+    manifest = read_manifest(datastores / "cal")
+    cal = manifest.calibration
+    assert cal is not None and cal.tokens >= 1000 and "whole document" in cal.heldout
+    assert cal.knn_ppl < cal.base_ppl  # the docs share phrasing: kNN helps on held-out modules
+    assert manifest.build.calibration_seconds > 0
+    # The held-out documents are not in the index: it has fewer entries than the corpus has positions.
+    assert manifest.entries < manifest.corpus.tokens - manifest.corpus.documents
+
+
+def test_the_split_is_stable_and_small_corpora_are_calibrated_on_nothing():
+    tokens = np.arange(40_000, dtype=np.int32) % 977
+    offsets = np.array([0, 10_000, 20_000, 30_000, 40_000])
+    a, b = split_heldout(tokens, offsets), split_heldout(tokens, offsets)
+    assert np.array_equal(a.tokens, b.tokens) and len(a.tokens) + len(a.index_tokens) == 40_000
+    one_doc = split_heldout(tokens, np.array([0, 40_000]))
+    assert "last 4000 tokens" in one_doc.description and np.array_equal(one_doc.tokens, tokens[-4000:])
+    assert split_heldout(tokens[:5000], np.array([0, 5000])) is None
+
+
+def test_a_small_corpus_says_it_was_calibrated_on_nothing(tmp_path, tiny_model_dir):
+    (tmp_path / "t.txt").write_text("A short text that cannot spare a held-out slice. " * 20)
+    manifest = build_datastore([tmp_path / "t.txt"], tmp_path / "ds", tiny_model_dir, CONFIG, progress=False)
+    assert manifest.calibration is None and "calibrated on nothing" in manifest.calibration_note
+
+
+@pytest.fixture(scope="module")
+def server(datastores, tiny_model_dir):
+    cal = read_manifest(datastores / "cal").calibration
+    # "explicit": the same files, the calibration's values written as config overrides.
+    explicit = {"k": cal.k, "temperature": cal.temperature}
+    adaptive = {}
+    if cal.mode == "fixed":
+        explicit["lambda"] = cal.lambda_
+    else:
+        adaptive = {"explicit": cal.adaptive_lambda.model_dump()}
+    knn = {
+        "datastores": {n: str(datastores / p) for n, p in (("cal", "cal"), ("old", "old"), ("explicit", "cal"), ("override", "cal"))},
+        "backend": "local",
+        "lambda": 0.3,
+        "k": 16,
+        "temperature": 3.0,
+        "max_k": 1024,
+        "adaptive_lambda": adaptive,
+        "overrides": {"explicit": explicit, "override": {"lambda": 0.9, "k": 4, "temperature": 0.5}},
+        "admin_token": TOKEN,
+        "datastore_root": str(datastores),
+    }
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, datastores) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def prompt(corpus, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)((corpus / "other" / "textwrap.txt").read_text()[:1500]).input_ids
+
+
+def listing(server) -> dict:
+    response = requests.get(f"{server.base_url}/v1/knn/datastores", headers={"X-Admin-Token": TOKEN}, timeout=60)
+    return {d["name"]: d for d in response.json()["datastores"] if d["status"] == "serving"}
+
+
+def test_a_request_with_no_knobs_gets_the_calibration(server, prompt, datastores):
+    cal = read_manifest(datastores / "cal").calibration
+    served = prompt_logprobs(server, prompt, knn_datastore="cal")
+    np.testing.assert_allclose(served, prompt_logprobs(server, prompt, knn_datastore="explicit"), atol=1e-5)
+    if cal.mode == "fixed":
+        explicit = prompt_logprobs(
+            server, prompt, knn_datastore="cal", knn_lambda=cal.lambda_, knn_k=cal.k, knn_temperature=cal.temperature
+        )
+        np.testing.assert_allclose(served, explicit, atol=1e-5)
+    defaults = listing(server)["cal"]["defaults"]
+    assert defaults["k"] == cal.k and defaults["temperature"] == cal.temperature
+    assert set(defaults["source"].values()) == {"calibration"}
+
+
+def test_config_overrides_then_request_knobs_win(server, prompt):
+    overridden = prompt_logprobs(server, prompt, knn_datastore="override")
+    as_request = prompt_logprobs(server, prompt, knn_datastore="cal", knn_lambda=0.9, knn_k=4, knn_temperature=0.5)
+    np.testing.assert_allclose(overridden, as_request, atol=1e-5)
+    request_wins = prompt_logprobs(server, prompt, knn_datastore="override", knn_k=8)
+    np.testing.assert_allclose(
+        request_wins, prompt_logprobs(server, prompt, knn_datastore="cal", knn_lambda=0.9, knn_k=8, knn_temperature=0.5), atol=1e-5
+    )
+    assert not np.allclose(request_wins, overridden)
+    assert set(listing(server)["override"]["defaults"]["source"].values()) == {"config override"}
+
+
+def test_a_datastore_built_before_calibration_serves_the_config_defaults(server, prompt):
+    np.testing.assert_allclose(
+        prompt_logprobs(server, prompt, knn_datastore="old"),
+        prompt_logprobs(server, prompt, knn_datastore="old", knn_lambda=0.3, knn_k=16, knn_temperature=3.0),
+        atol=1e-5,
+    )
+    assert set(listing(server)["old"]["defaults"]["source"].values()) == {"config default"}
+
+
+def test_calibrate_replaces_the_manifest_atomically_and_a_hot_swap_serves_it(server, datastores, corpus, tiny_model_dir):
+    shutil.copytree(datastores / "cal", datastores / "recal")
+    before = (datastores / "recal" / MANIFEST).read_bytes()
+    command = [
+        sys.executable,
+        "-m",
+        "index_builder.cli",
+        "calibrate",
+        str(datastores / "recal"),
+        str(corpus / "other"),
+        "--model",
+        str(tiny_model_dir),
+    ]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    seen = ""
+    while "calibrate:" not in seen and proc.poll() is None:  # the progress bar of the scoring pass
+        seen += proc.stderr.read(1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (datastores / "recal" / MANIFEST).read_bytes() == before  # killed mid-run: the old manifest, intact
+    read_manifest(datastores / "recal")
+
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = read_manifest(datastores / "recal")
+    assert manifest.calibration.heldout.startswith("texts:") and len(manifest.calibration_history) == 1
+    assert manifest.calibration_history[0] == read_manifest(datastores / "cal").calibration
+    assert [s.model_dump() for s in manifest.shards] == [s.model_dump() for s in read_manifest(datastores / "cal").shards]
+
+    loaded = requests.post(
+        f"{server.base_url}/v1/knn/datastores", json={"name": "cal", "path": "recal"}, headers={"X-Admin-Token": TOKEN}, timeout=120
+    )
+    assert loaded.status_code == 200, loaded.text
+    now = listing(server)["cal"]
+    assert now["version"] == 2 and now["calibration"]["heldout"].startswith("texts:")
+    assert now["defaults"]["k"] == manifest.calibration.k and now["defaults"]["temperature"] == manifest.calibration.temperature
