@@ -20,9 +20,12 @@ import re
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
+
+import numpy as np
 
 from knnlm_serve.server.process import metric_total, scrape_metrics
 
@@ -220,7 +223,7 @@ def plots(runs: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    closed = [r for r in runs if r["concurrency"] and "event" not in r and re.fullmatch(r"c\d+-(on|off)", r["label"])]
+    closed = [r for r in runs if r["concurrency"] and "event" not in r and re.fullmatch(r"c\d+-(on|off)-1", r["label"])]
     fig, ax = plt.subplots(figsize=(6, 4))
     for knn in (False, True):
         points = sorted((r["concurrency"], r["output_throughput"]) for r in closed if r["knn"] == knn)
@@ -239,6 +242,36 @@ def plots(runs: list[dict], out: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "latency_vs_concurrency.png", dpi=120)
+
+
+def pair_ratios(runs: list[dict], pattern: str, pairs: int) -> dict:
+    """Per metric, the on/off ratio of each interleaved pair, its median and spread, and the ITL percentiles."""
+    by_label = {r["label"]: r for r in runs}
+    pair = [(by_label[pattern.format("on", i=i)], by_label[pattern.format("off", i=i)]) for i in range(1, pairs + 1)]
+    out = {}
+    for name, metric in (
+        ("throughput", "output_throughput"),
+        ("p50_itl", "p50_itl_ms"),
+        ("p99_itl", "p99_itl_ms"),
+        ("p99_e2el", "p99_e2el_ms"),
+    ):
+        values = [on[metric] / off[metric] for on, off in pair]
+        out[name] = {"median": float(np.median(values)), "min": min(values), "max": max(values), "pairs": values}
+    for side, index in (("on", 0), ("off", 1)):
+        out[f"itl_ms_{side}"] = {p: float(np.median([x[index][f"{p}_itl_ms"] for x in pair])) for p in ("p50", "p99")}
+    return out
+
+
+def load_into_running_server(base_url: str, token: str, datastores: dict[str, str]) -> None:
+    """--base-url with --datastore: load each through the admin API, or stop before sending any traffic."""
+    for name, path in datastores.items():
+        try:
+            admin(base_url, token, "POST", "/datastores", {"name": name, "path": path})
+        except urllib.error.HTTPError as e:
+            raise SystemExit(
+                f"loadtest: error: the server at {base_url} did not load datastore {name}={path} "
+                f"(HTTP {e.code}: {e.read().decode()[:300]}); check --admin-token and that PATH is under its knn.datastore_root"
+            ) from None
 
 
 def markdown(report: dict) -> str:
@@ -266,9 +299,20 @@ def markdown(report: dict) -> str:
             + (" / ".join(f"{v:.1f}" for v in s["ms_per_step"].values()) if s["knn_steps"] else "-")
             + f" | {'yes' if s['requests_match_1pct'] and s['tokens_match_1pct'] else 'NO'} |"
         )
-    lines += ["", "| level | throughput on/off | ITL p50 on/off | E2E p99 on/off |", "|---:|---:|---:|---:|"]
-    for c, ratio in report["on_off_ratios"].items():
-        lines.append(f"| {c} | {ratio['throughput']:.3f} | {ratio['p50_itl']:.3f} | {ratio['p99_e2el']:.3f} |")
+    lines += [
+        "",
+        "Median over the interleaved pairs (min–max), after a warm-up pair:",
+        "",
+        "| level | throughput on/off | ITL p50 on/off | ITL p99 on/off | E2E p99 on/off | ITL p50/p99 ms off | ITL p50/p99 ms on |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for level, r in report["on_off_ratios"].items():
+        cells = " | ".join(
+            f"{r[m]['median']:.3f} ({r[m]['min']:.2f}–{r[m]['max']:.2f})" for m in ("throughput", "p50_itl", "p99_itl", "p99_e2el")
+        )
+        lines.append(
+            f"| {level} | {cells} | {r['itl_ms_off']['p50']:.0f}/{r['itl_ms_off']['p99']:.0f} | {r['itl_ms_on']['p50']:.0f}/{r['itl_ms_on']['p99']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -283,6 +327,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson open-loop request rate (req/s); 0 = skip")
     parser.add_argument("--prompts-per-level", type=int, default=2, help="requests per run = this x concurrency (min 8)")
+    parser.add_argument("--pairs", type=int, default=3, help="interleaved off/on pairs per level, after one warm-up pair (median reported)")
     parser.add_argument("--prompt-words", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument(
@@ -313,6 +358,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         if args.base_url:
             base_url, model, tokenizer = args.base_url, args.model, args.tokenizer
+            load_into_running_server(base_url, args.admin_token, extra)
         else:
             print(f"loadtest: starting knnlm-serve ({args.config}) ...", flush=True)
             root = swap_root(args.config, args.swap_to)
@@ -323,32 +369,36 @@ def main() -> None:
             n = prompts or max(8, args.prompts_per_level * (concurrency or 8))
             xargs = {"knn": knn, **({"knn_datastore": datastore} if datastore else {})}
             print(f"loadtest: {label}: {xargs}, concurrency {concurrency}, rate {rate}, {n} requests", flush=True)
-            runs.append(
-                run_benchmark(
-                    base_url,
-                    model,
-                    tokenizer,
-                    dataset,
-                    concurrency=concurrency,
-                    rate=rate,
-                    num_prompts=n,
-                    output_len=args.output_len,
-                    xargs=xargs,
-                    result_dir=out / "runs",
-                    label=label,
-                )
+            result = run_benchmark(
+                base_url,
+                model,
+                tokenizer,
+                dataset,
+                concurrency=concurrency,
+                rate=rate,
+                num_prompts=n,
+                output_len=args.output_len,
+                xargs=xargs,
+                result_dir=out / "runs",
+                label=label,
             )
+            if not label.startswith("warmup"):
+                runs.append(result)
 
-        for c in args.concurrency:  # off and on back to back at each level: machine noise hits both
-            for knn in (False, True):
-                run(f"c{c}-{'on' if knn else 'off'}", knn, concurrency=c)
+        # A cold first run can be 40% off: one warm-up pair per level, then interleaved off/on pairs,
+        # so machine noise hits both sides alike; the report takes the median ratio over the pairs.
+        for c in args.concurrency:
+            for i in range(args.pairs + 1):
+                for knn in (False, True):
+                    run(f"c{c}-{'on' if knn else 'off'}-{i}" if i else f"warmup-c{c}-{'on' if knn else 'off'}", knn, concurrency=c)
         if args.rate:
             for knn in (False, True):
                 run(f"poisson{args.rate:g}-{'on' if knn else 'off'}", knn, rate=args.rate, prompts=16)
         c = max(args.concurrency)
-        for name in extra:  # each against an off run right before it
-            run(f"c{c}-off-before-{name}", False, concurrency=c)
-            run(f"c{c}-{name}", True, concurrency=c, datastore=name)
+        for name in extra:
+            for i in range(1, args.pairs + 1):
+                run(f"c{c}-off-{i}-{name}", False, concurrency=c)
+                run(f"c{c}-on-{i}-{name}", True, concurrency=c, datastore=name)
         events = []
         if args.swap_to != "none":
             listing = admin(base_url, args.admin_token, "GET", "/datastores")
@@ -368,21 +418,8 @@ def main() -> None:
             thread.join()
             runs[-1]["event"] = record
 
-    ratios = {}
-    for c in args.concurrency:
-        on, off = (next(r for r in runs if r["label"] == f"c{c}-{m}") for m in ("on", "off"))
-        ratios[c] = {
-            "throughput": on["output_throughput"] / off["output_throughput"],
-            "p50_itl": on["p50_itl_ms"] / off["p50_itl_ms"],
-            "p99_e2el": on["p99_e2el_ms"] / off["p99_e2el_ms"],
-        }
-    for name in extra:
-        on, off = (next(r for r in runs if r["label"] == f"c{c}-{m}") for m in (name, f"off-before-{name}"))
-        ratios[f"c{c} {name}"] = {
-            "throughput": on["output_throughput"] / off["output_throughput"],
-            "p50_itl": on["p50_itl_ms"] / off["p50_itl_ms"],
-            "p99_e2el": on["p99_e2el_ms"] / off["p99_e2el_ms"],
-        }
+    ratios = {f"c{c}": pair_ratios(runs, f"c{c}-{{}}-{{i}}", args.pairs) for c in args.concurrency}
+    ratios.update({f"c{c} {name}": pair_ratios(runs, f"c{c}-{{}}-{{i}}-{name}", args.pairs) for name in extra})
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{os.cpu_count()} CPU cores, no GPU",
