@@ -169,6 +169,7 @@ def test_chat_completions_accept_knn_xargs(knn_server):
         ({"knn_temperature": -1}, "knn_temperature"),
         ({"knn_datastore": "legal"}, "knn_datastore"),
         ({"knn_lambda": "high"}, "knn_lambda"),
+        ({"knn_lamda": 0.9}, "knn_lamda"),  # a misspelt knob is refused, not silently ignored
     ],
 )
 def test_invalid_xargs_are_a_400_naming_the_field(knn_server, xargs, field):
