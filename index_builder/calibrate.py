@@ -1,5 +1,5 @@
 """Calibration: score held-out text with the base LM and through the datastore's own search, fit
-λ, τ, k and the adaptive-λ curve, and store them in the manifest as the served defaults.
+λ, τ, k, the adaptive-λ curve and the skip rule, and store them in the manifest as the served defaults.
 
 `knnlm-index build` calibrates on the slice it held out of the corpus (knnlm_core.calibration
 .split_heldout); `knnlm-index calibrate` on the user's own text, keeping the old calibration in
@@ -42,17 +42,21 @@ def calibrate_on(
     encoder = KeyEncoder(model_dir, manifest.key_type, config.dtype)
     keys = np.empty((plan.entries, encoder.dim), dtype=np.float32)
     log_p_lm = np.empty(plan.entries, dtype=np.float64)
-    encode_windows(encoder, tokens, plan, keys, config.batch_size, log_p_out=log_p_lm, progress=progress, desc="calibrate")
+    top_log_p = np.empty(plan.entries, dtype=np.float64)
+    encode_windows(
+        encoder, tokens, plan, keys, config.batch_size, log_p_out=log_p_lm, top_log_p_out=top_log_p, progress=progress, desc="calibrate"
+    )
     del encoder
     targets = window_values(tokens, plan)
     shards = [(s.index, s.values, None) for s in open_shards(root, manifest)]
     distances, found = search_many(shards, keys, max(SweepGrid().ks), manifest.index.nprobe)
-    fit = fit_calibration(log_p_lm, distances, found == targets[:, None])
+    fit = fit_calibration(log_p_lm, top_log_p, distances, found == targets[:, None])
     calibration = Calibration(
         **fit, heldout=heldout, nprobe=manifest.index.nprobe, created=datetime.now(timezone.utc).isoformat(timespec="seconds")
     )
     logger.info(
-        "calibration on %s held-out tokens: λ %.2f, τ %g, k %d, serving %s λ; ppl base %.3f -> kNN %.3f (adaptive %.3f)",
+        "calibration on %s held-out tokens: λ %.2f, τ %g, k %d, serving %s λ; ppl base %.3f -> kNN %.3f (adaptive %.3f); "
+        "searches skipped where the LM's top probability > %.3f: %.0f%% of tokens, ppl %.3f",
         f"{fit['tokens']:,}",
         calibration.lambda_,
         calibration.temperature,
@@ -61,6 +65,9 @@ def calibrate_on(
         calibration.base_ppl,
         calibration.knn_ppl,
         calibration.adaptive_ppl,
+        calibration.skip.threshold,
+        100 * calibration.skip.skipped,
+        calibration.skip.ppl,
     )
     return calibration
 

@@ -1,7 +1,8 @@
-"""Fitting the mixture to held-out text: sweeps over (k, τ, λ) and the adaptive-λ curve.
+"""Fitting the mixture to held-out text: sweeps over (k, τ, λ), the adaptive-λ curve and the rule
+for skipping searches.
 
-Plain functions over per-token arrays (no model, no search): log p_LM(target), the k nearest
-distances and whether each neighbour's value is the target. `knnlm-eval` reports them;
+Plain functions over per-token arrays (no model, no search): log p_LM(target), log p_LM of the
+LM's top token, the k nearest distances and whether each neighbour's value is the target. `knnlm-eval` reports them;
 `knnlm-index` stores the best as the datastore's calibration.
 """
 
@@ -77,6 +78,48 @@ def fit_adaptive_lambda(log_p_lm, log_p_knn, d_nearest, tune, config: SweepGrid)
     }
 
 
+def served_with_skips(log_p_lm: np.ndarray, log_p_knnlm: np.ndarray, top_log_p: np.ndarray, threshold: float) -> np.ndarray:
+    """Per-token log p as served under adaptive retrieval: where the LM's top probability exceeds
+    `threshold` the search is skipped and the token gets p_LM, elsewhere the kNN-LM mixture."""
+    return np.where(np.exp(top_log_p) > threshold, log_p_lm, log_p_knnlm)
+
+
+SKIP_SHARES = tuple(round(0.05 * i, 2) for i in range(20))  # shares of tuning tokens to try skipping: 0 .. 0.95
+
+
+def fit_skip(log_p_lm, log_p_knnlm, top_log_p, tune, tolerance: float) -> dict:
+    """The lowest LM top-probability threshold whose skipped searches cost at most `tolerance`
+    (a share) of the full-retrieval perplexity on the tuning part, and its curve.
+
+    After He et al. (2021), who skip retrieval where the LM alone is good enough; a threshold on the
+    LM's own confidence needs no trained model and costs one max and logsumexp per row at serving.
+    Thresholds are tried at quantiles of the tuning part's top probabilities (skipping 0 .. 95%)."""
+    top_p = np.exp(top_log_p)
+    full_tune = perplexity(log_p_knnlm[tune])
+    curve = []
+    for share in SKIP_SHARES:
+        threshold = 1.0 if share == 0 else float(np.quantile(top_p[tune], 1 - share))
+        served = served_with_skips(log_p_lm, log_p_knnlm, top_log_p, threshold)
+        curve.append(
+            {
+                "threshold": threshold,
+                "tune_skipped": float(np.mean(top_p[tune] > threshold)),
+                "tune_ppl": perplexity(served[tune]),
+                "report_skipped": float(np.mean(top_p[~tune] > threshold)),
+                "report_ppl": perplexity(served[~tune]),
+            }
+        )
+    best = max((c for c in curve if c["tune_ppl"] <= full_tune * (1 + tolerance)), key=lambda c: c["tune_skipped"])
+    return {
+        "threshold": best["threshold"],
+        "skipped": best["report_skipped"],
+        "ppl": best["report_ppl"],
+        "full_ppl": curve[0]["report_ppl"],
+        "tolerance": tolerance,
+        "curve": curve,
+    }
+
+
 # ------------------------------------------------------------------ the held-out slice of a corpus
 
 HELDOUT_SHARE = 0.10  # of the corpus's tokens, at most
@@ -142,8 +185,11 @@ def _offsets(lengths: list[int]) -> np.ndarray:
 # ------------------------------------------------------------------ the fit a datastore stores
 
 
-def fit_calibration(log_p_lm: np.ndarray, distances: np.ndarray, match: np.ndarray, grid: SweepGrid = SweepGrid()) -> dict:
-    """λ, τ, k and the adaptive-λ curve that fit held-out tokens best, and which of the two to serve.
+def fit_calibration(
+    log_p_lm: np.ndarray, top_log_p: np.ndarray, distances: np.ndarray, match: np.ndarray, grid: SweepGrid = SweepGrid()
+) -> dict:
+    """λ, τ, k and the adaptive-λ curve that fit held-out tokens best, which of the two to serve,
+    and the skip rule for that served mixture.
 
     Fitted on the first half of the tokens (text order), judged on the second: the adaptive curve is
     served only where it beats the fixed λ there. τ is searched on the grid and on multiples of the
@@ -157,15 +203,23 @@ def fit_calibration(log_p_lm: np.ndarray, distances: np.ndarray, match: np.ndarr
     tune = np.arange(len(log_p_lm)) < len(log_p_lm) // 2
     best = sweep(log_p_lm, distances, match, tune, grid)["best"]
     log_p_knn = knn_log_prob(distances, match, best["k"], best["temperature"])
-    adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, grid)
+    d_nearest = distances[:, 0].astype(np.float64)
+    has = np.isfinite(d_nearest)
+    adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, d_nearest, tune, grid)
+    mode = "adaptive" if adaptive["report_ppl"] < best["report_ppl"] else "fixed"
+    curve = (adaptive["lambda_max"], adaptive["slope"], adaptive["center"])
+    lam = best["lambda"] if mode == "fixed" else adaptive_lambda(np.where(has, d_nearest, 0.0), *curve)
+    served = mixture_log_prob(log_p_lm, log_p_knn, lam, has)
+    skip = fit_skip(log_p_lm, served, top_log_p, tune, grid.skip_tolerance)
     return {
         "lambda": best["lambda"],
         "temperature": best["temperature"],
         "k": best["k"],
         "adaptive_lambda": {key: adaptive[key] for key in ("lambda_max", "slope", "center")},
-        "mode": "adaptive" if adaptive["report_ppl"] < best["report_ppl"] else "fixed",
+        "mode": mode,
         "tokens": int(len(log_p_lm)),
         "base_ppl": perplexity(log_p_lm[~tune]),
         "knn_ppl": best["report_ppl"],
         "adaptive_ppl": adaptive["report_ppl"],
+        "skip": {key: skip[key] for key in ("threshold", "skipped", "ppl", "full_ppl", "tolerance")},
     }

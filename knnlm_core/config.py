@@ -64,14 +64,15 @@ class DatastoreOverride(_Strict):
     lambda_: float | None = Field(None, ge=0, le=1, alias="lambda")
     k: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, gt=0)
+    skip_threshold: float | None = Field(None, ge=0, le=1)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
 class KnnConfig(_Strict):
-    """kNN-LM at serving time. Requests may override `enabled`, `lambda_`, `k`, `temperature` and
-    the datastore per request through `vllm_xargs` (knn, knn_lambda, knn_k, knn_temperature,
-    knn_datastore)."""
+    """kNN-LM at serving time. Requests may override `enabled`, `lambda_`, `k`, `temperature`,
+    `skip_threshold` and the datastore per request through `vllm_xargs` (knn, knn_lambda, knn_k,
+    knn_temperature, knn_skip_threshold, knn_datastore)."""
 
     datastores: dict[str, str] = Field(default_factory=dict, description="name -> datastore directory")
     default_datastore: str | None = Field(None, description="used when a request names none; default: the first")
@@ -81,11 +82,17 @@ class KnnConfig(_Strict):
         default_factory=dict, description="datastore -> adaptive λ, used when a request sets no knn_lambda (beats calibration)"
     )
     overrides: dict[str, DatastoreOverride] = Field(
-        default_factory=dict, description="datastore -> {lambda, k, temperature} that beat its calibration"
+        default_factory=dict, description="datastore -> {lambda, k, temperature, skip_threshold} that beat its calibration"
     )
     k: int = Field(1024, gt=0, description="neighbours per query for datastores without a calibration")
     max_k: int = Field(2048, gt=0, description="largest k a request may ask for")
     temperature: float = Field(1.0, gt=0, description="softmax temperature over negative L2 distances, without a calibration")
+    skip_threshold: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="skip the search (serve p_LM) for rows whose LM top probability exceeds this, without a calibration; 1 = never",
+    )
     nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's manifest")
     backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
@@ -164,6 +171,9 @@ class SweepGrid(_Strict):
     lambdas: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(21))
     temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
     ks: tuple[int, ...] = (16, 64, 256, 1024)
+    skip_tolerance: float = Field(
+        0.005, ge=0, description="adaptive retrieval: skip searches while tuning perplexity stays within this share of full retrieval"
+    )
 
 
 class EvalConfig(SweepGrid):

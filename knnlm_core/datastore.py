@@ -77,6 +77,17 @@ class BuildStats(_Record):
     tool_version: str
 
 
+class SkipRule(_Record):
+    """Adaptive retrieval: rows where the LM's top probability exceeds `threshold` skip the search
+    and are served p_LM. Fitted to cost at most `tolerance` of perplexity on the fitting half."""
+
+    threshold: float = Field(ge=0, le=1)  # 1: never skip
+    skipped: float  # share of the judged half's tokens skipped,
+    ppl: float  # its perplexity with the skips,
+    full_ppl: float  # and with every row searched
+    tolerance: float
+
+
 class Calibration(_Record):
     """The mixing settings that fit this datastore best on held-out text (served by default)."""
 
@@ -91,6 +102,7 @@ class Calibration(_Record):
     base_ppl: float  # on the judged half: the LM alone,
     knn_ppl: float  # kNN-LM at the fitted fixed λ,
     adaptive_ppl: float  # and with the adaptive curve
+    skip: SkipRule | None = None  # None: calibrated before adaptive retrieval existed (never skips)
     heldout: str  # what the held-out text was
     nprobe: int | None
     created: str

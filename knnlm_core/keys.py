@@ -93,7 +93,8 @@ class KeyEncoder:
 
     @torch.inference_mode()
     def encode_and_score(self, token_batches: list[np.ndarray], targets: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Key vectors and log p_LM(target) [len(tokens)] for each sequence (targets[i][j] follows position j)."""
+        """Key vectors and scores [len(tokens), 2] for each sequence (targets[i][j] follows position j):
+        log p_LM(target) and log p_LM of the LM's own top token (the confidence adaptive retrieval skips on)."""
         return self._run(token_batches, targets)
 
     def _run(self, token_batches, targets):
@@ -110,7 +111,8 @@ class KeyEncoder:
         if targets is not None:
             for i, (n, target) in enumerate(zip(lengths, targets)):
                 log_p = torch.log_softmax(out.logits[i, :n].float(), dim=-1)
-                scores.append(log_p.gather(1, torch.as_tensor(target, device=log_p.device).long()[:, None])[:, 0].cpu().numpy())
+                of_target = log_p.gather(1, torch.as_tensor(target, device=log_p.device).long()[:, None])[:, 0]
+                scores.append(torch.stack([of_target, log_p.max(dim=1).values], dim=1).cpu().numpy())
         return [keys[i, :n] for i, n in enumerate(lengths)], scores
 
 
@@ -122,6 +124,7 @@ def encode_windows(
     batch_size: int,
     *,
     log_p_out: np.ndarray | None = None,
+    top_log_p_out: np.ndarray | None = None,
     first_batch: int = 0,
     after_batch: Callable[[int], None] | None = None,
     progress: bool = True,
@@ -129,7 +132,8 @@ def encode_windows(
 ) -> float:
     """Write every entry's key into `out` [entries, dim] in plan order, batch by batch from
     `first_batch` (to resume); `after_batch(b)` runs once batch b is in `out`. With `log_p_out`
-    [entries], also log p_LM of each entry's value. Returns tokens/s fed."""
+    and `top_log_p_out` [entries], also log p_LM of each entry's value and of the LM's top token at
+    that position. Returns tokens/s fed."""
     import time
 
     windows, offsets = plan.windows, plan.entry_offsets
@@ -145,7 +149,9 @@ def encode_windows(
         else:
             vectors, scores = encoder.encode_and_score(batch, [tokens[f + 1 : k1 + 1] for f, _, k1 in windows[i:j]])
             for w, (f, k0, k1), score in zip(range(i, j), windows[i:j], scores):
-                log_p_out[offsets[w] : offsets[w + 1]] = score[k0 - f : k1 - f]
+                log_p_out[offsets[w] : offsets[w + 1]] = score[k0 - f : k1 - f, 0]
+                if top_log_p_out is not None:
+                    top_log_p_out[offsets[w] : offsets[w + 1]] = score[k0 - f : k1 - f, 1]
         for w, (f, k0, k1), v in zip(range(i, j), windows[i:j], vectors):
             out[offsets[w] : offsets[w + 1]] = v[k0 - f : k1 - f]
         if after_batch is not None:

@@ -23,6 +23,12 @@ def adaptive_lambda(d_nearest: np.ndarray, lambda_max: float, slope: float, cent
     return lambda_max / (1.0 + np.exp(-slope * (center - d_nearest)))
 
 
+def lm_top_prob(logits: torch.Tensor) -> torch.Tensor:
+    """p_LM of each row's top token, exp(max − logsumexp): the confidence adaptive retrieval skips on."""
+    logits = logits.float()
+    return (logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1)).exp()
+
+
 def interpolate(
     lm_logits: torch.Tensor, distances: torch.Tensor, tokens: torch.Tensor, lambda_: torch.Tensor, temperature: torch.Tensor
 ) -> torch.Tensor:

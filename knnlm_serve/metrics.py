@@ -34,13 +34,16 @@ SLOWEST_SHARD_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 QUERIES = Counter("knnlm_queries", "query vectors sent to a datastore", ["datastore"])
+SKIPPED_ROWS = Counter(
+    "knnlm_skipped_rows", "rows of kNN requests served p_LM without a search: the LM was confident (adaptive retrieval)", ["datastore"]
+)
 NEIGHBOURS = Counter("knnlm_neighbours", "neighbours retrieved (k per query)", ["datastore"])
 FALLBACKS = Counter("knnlm_fallbacks", "rows served with fewer shards or LM-only, by reason", ["datastore", "reason"])
 REQUESTS = Counter("knnlm_requests", "requests admitted, by datastore ('none' = kNN off)", ["datastore"])
 DATASTORE_INFO = Gauge(
     "knnlm_datastore_info",
     "serving datastores (value 1) and the mixing defaults in force; settings_from = where λ came from",
-    ["datastore", "version", "entries", "shards", "key_type", "lambda", "k", "temperature", "settings_from"],
+    ["datastore", "version", "entries", "shards", "key_type", "lambda", "k", "temperature", "skip_threshold", "settings_from"],
     multiprocess_mode="mostrecent",
 )
 SWAPS = Counter("knnlm_swaps", "datastore loads and hot-swaps, by result", ["datastore", "result"])

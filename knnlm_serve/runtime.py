@@ -28,21 +28,24 @@ class MixDefaults(BaseModel):
     adaptive_lambda: AdaptiveLambda | None
     k: int
     temperature: float
-    source: dict[str, str]  # "lambda" / "k" / "temperature" -> "config override" | "calibration" | "config default"
+    skip_threshold: float  # rows whose LM top probability exceeds this skip the search
+    source: dict[str, str]  # "lambda" / "k" / ... -> "config override" | "calibration" | "config default"
 
 
 def mix_defaults(knn: KnnConfig, name: str, calibration: Calibration | None) -> MixDefaults:
     """Per datastore: the config's overrides beat the datastore's calibration, which beats the config's defaults."""
-    values = {"lambda": knn.lambda_, "k": knn.k, "temperature": knn.temperature}
+    values = {"lambda": knn.lambda_, "k": knn.k, "temperature": knn.temperature, "skip_threshold": knn.skip_threshold}
     source = dict.fromkeys(values, "config default")
     adaptive = None
     if calibration is not None:
         values.update({"lambda": calibration.lambda_, "k": min(calibration.k, knn.max_k), "temperature": calibration.temperature})
-        source = dict.fromkeys(values, "calibration")
+        source.update(dict.fromkeys(("lambda", "k", "temperature"), "calibration"))
         if calibration.mode == "adaptive":
             adaptive = calibration.adaptive_lambda
+        if calibration.skip is not None:
+            values["skip_threshold"], source["skip_threshold"] = calibration.skip.threshold, "calibration"
     override = knn.overrides.get(name)
-    for field in ("lambda", "k", "temperature"):
+    for field in values:
         value = getattr(override, "lambda_" if field == "lambda" else field, None) if override else None
         if value is not None:
             values[field], source[field] = value, "config override"
@@ -55,6 +58,7 @@ def mix_defaults(knn: KnnConfig, name: str, calibration: Calibration | None) -> 
         adaptive_lambda=adaptive,
         k=values["k"],
         temperature=values["temperature"],
+        skip_threshold=values["skip_threshold"],
         source=source,
     )
 

@@ -17,7 +17,7 @@ from conftest import TINY_SERVER, prompt_logprobs
 
 from index_builder.build import build_datastore
 from index_builder.default_datastore import stdlib_documents
-from knnlm_core.calibration import split_heldout
+from knnlm_core.calibration import fit_skip, perplexity, split_heldout
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import MANIFEST, read_manifest
 from knnlm_serve.server.process import RunningServer
@@ -59,8 +59,31 @@ def test_the_build_holds_a_slice_out_and_stores_its_fit(datastores, corpus, tiny
     assert cal is not None and cal.tokens >= 1000 and "whole document" in cal.heldout
     assert cal.knn_ppl < cal.base_ppl  # the docs share phrasing: kNN helps on held-out modules
     assert manifest.build.calibration_seconds > 0
+    skip = cal.skip  # the skip rule for the served mixture, judged on the second half
+    assert skip is not None and 0 <= skip.threshold <= 1 and skip.tolerance == 0.005
+    assert (skip.skipped == 0) == (skip.threshold == 1) and skip.full_ppl == pytest.approx(min(cal.knn_ppl, cal.adaptive_ppl), rel=1e-6)
     # The held-out documents are not in the index: it has fewer entries than the corpus has positions.
     assert manifest.entries < manifest.corpus.tokens - manifest.corpus.documents
+
+
+def test_the_skip_rule_skips_where_the_lm_alone_is_as_good():
+    rng = np.random.default_rng(0)
+    n = 4000
+    top_log_p = np.log(rng.uniform(0.05, 1.0, n))
+    confident = np.exp(top_log_p) > 0.6
+    log_p_lm = np.where(confident, np.log(0.9), np.log(0.01))
+    # kNN helps a lot where the LM is unsure and costs a little where it is confident.
+    log_p_knnlm = np.where(confident, np.log(0.88), np.log(0.3))
+    tune = np.arange(n) < n // 2
+    fit = fit_skip(log_p_lm, log_p_knnlm, top_log_p, tune, tolerance=0.005)
+    assert 0.55 <= fit["threshold"] <= 0.65
+    assert fit["skipped"] == pytest.approx(np.mean(confident[~tune]), abs=0.03)
+    assert fit["ppl"] < fit["full_ppl"]  # skipping where kNN hurt even helps
+    served = np.where(np.exp(top_log_p) > fit["threshold"], log_p_lm, log_p_knnlm)
+    assert fit["ppl"] == pytest.approx(perplexity(served[~tune]))
+    # Where every skip costs more than the tolerance, nothing is skipped.
+    never = fit_skip(np.full(n, np.log(0.01)), np.full(n, np.log(0.3)), top_log_p, tune, tolerance=0.005)
+    assert never["threshold"] == 1.0 and never["skipped"] == 0
 
 
 def test_the_split_is_stable_and_small_corpora_are_calibrated_on_nothing():
@@ -83,7 +106,7 @@ def test_a_small_corpus_says_it_was_calibrated_on_nothing(tmp_path, tiny_model_d
 def server(datastores, tiny_model_dir):
     cal = read_manifest(datastores / "cal").calibration
     # "explicit": the same files, the calibration's values written as config overrides.
-    explicit = {"k": cal.k, "temperature": cal.temperature}
+    explicit = {"k": cal.k, "temperature": cal.temperature, "skip_threshold": cal.skip.threshold}
     adaptive = {}
     if cal.mode == "fixed":
         explicit["lambda"] = cal.lambda_
@@ -140,7 +163,13 @@ def test_config_overrides_then_request_knobs_win(server, prompt):
         request_wins, prompt_logprobs(server, prompt, knn_datastore="cal", knn_lambda=0.9, knn_k=8, knn_temperature=0.5), atol=1e-5
     )
     assert not np.allclose(request_wins, overridden)
-    assert set(listing(server)["override"]["defaults"]["source"].values()) == {"config override"}
+    source = listing(server)["override"]["defaults"]["source"]
+    assert source == {
+        "lambda": "config override",
+        "k": "config override",
+        "temperature": "config override",
+        "skip_threshold": "calibration",
+    }
 
 
 def test_a_datastore_built_before_calibration_serves_the_config_defaults(server, prompt):

@@ -66,15 +66,17 @@ def test_base_perplexity_equals_transformers(run, texts, tiny_model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     text = load_eval_text([texts / "heldout.txt"], tiny_model_dir, CONFIG)
-    log_probs = []
+    log_probs, top_log_probs = [], []
     with torch.no_grad():
         for f, k0, k1 in text.plan.windows:
             ids = torch.from_numpy(text.tokens[f : k1 + 1].astype(np.int64))[None]
             logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
             rows = torch.arange(k0 - f, k1 - f)
             log_probs.append(logp[rows, ids[0, rows + 1]].numpy())
+            top_log_probs.append(logp[rows].max(dim=1).values.numpy())
     nll = -np.concatenate(log_probs).astype(np.float64)
     np.testing.assert_allclose(run.arrays["log_p_lm"], -nll, atol=1e-3)
+    np.testing.assert_allclose(run.arrays["top_log_p_lm"], np.concatenate(top_log_probs), atol=1e-3)
     tune = run.arrays["tune"]
     np.testing.assert_allclose(run.summary["base"]["report_ppl"], np.exp(nll[~tune].mean()), rtol=1e-3)
     np.testing.assert_allclose(run.summary["base"]["tune_ppl"], np.exp(nll[tune].mean()), rtol=1e-3)
@@ -99,6 +101,8 @@ def test_knn_perplexity_through_vllm_equals_numpy_from_the_same_neighbours(run, 
     weights = np.exp(-(distances - distances[:, :1]) / tau)
     p_knn = (weights * (tokens == text.targets[:, None])).sum(1) / weights.sum(1)
     p = lam * p_knn + (1 - lam) * np.exp(run.arrays["log_p_lm"])
+    # Searches skipped where the LM's top probability exceeds the fitted threshold: those tokens get p_LM.
+    p = np.where(np.exp(run.arrays["top_log_p_lm"]) > served["skip_threshold"], np.exp(run.arrays["log_p_lm"]), p)
     tune = text.tune
     np.testing.assert_allclose(served["vllm_report_ppl"], np.exp(-np.log(p[~tune]).mean()), rtol=1e-3)
     np.testing.assert_allclose(served["vllm_tune_ppl"], np.exp(-np.log(p[tune]).mean()), rtol=1e-3)
@@ -130,8 +134,12 @@ def test_sweep_tunes_on_the_tuning_part_only_and_writes_the_report(run, tmp_path
         "ppl_vs_temperature.png",
         "ppl_vs_fraction.png",
         "variants.png",
+        "ppl_vs_searches_skipped.png",
         "tokens.npz",
     }
+    skip = run.summary["adaptive_retrieval"]
+    assert skip["curve"][0]["report_skipped"] == 0 and skip["curve"][-1]["tune_skipped"] >= 0.9
+    assert skip["ppl"] == pytest.approx(next(c["report_ppl"] for c in skip["curve"] if c["threshold"] == skip["threshold"]))
     assert json.loads((tmp_path / "results.json").read_text())["text"]["report_tokens"] == int((~run.arrays["tune"]).sum())
     assert "served through vLLM" in (tmp_path / "results.md").read_text()
 

@@ -11,7 +11,7 @@ from conftest import TINY_SERVER, greedy, prompt_logprobs
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
-from knnlm_serve.server.process import RunningServer
+from knnlm_serve.server.process import RunningServer, metric_total, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -107,14 +107,43 @@ def test_mixed_batch_rows_get_their_own_settings(knn_server, token_ids):
         {"knn": False},
         {"knn_datastore": "a3", "knn_lambda": 0.5, "knn_k": 2},
         {"knn_datastore": "b", "knn_lambda": 0.3, "knn_temperature": 5.0},
+        {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.02},
     ] * 2
-    alone = [complete(knn_server, prompt, **x) for x in requests[:5]]
+    alone = [complete(knn_server, prompt, **x) for x in requests[:6]]
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda x: complete(knn_server, prompt, **x), requests))
     for i, choice in enumerate(together):
-        assert choice.token_ids == alone[i % 5].token_ids
-        np.testing.assert_allclose(choice.logprobs.token_logprobs, alone[i % 5].logprobs.token_logprobs, atol=1e-4)
+        assert choice.token_ids == alone[i % 6].token_ids
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, alone[i % 6].logprobs.token_logprobs, atol=1e-4)
     assert alone[0].token_ids != alone[1].token_ids  # the two datastores really differ
+
+
+def test_skipped_rows_are_served_the_plain_lm_and_counted(knn_server, token_ids):
+    ids = token_ids["a"]
+
+    def echo(**xargs):
+        """log p of every prompt token after the first and of one greedy token, with each position's top log p."""
+        result = knn_server.openai_client().completions.create(
+            model="tiny", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1, extra_body={"vllm_xargs": xargs}
+        )
+        logprobs = result.choices[0].logprobs
+        return np.array(logprobs.token_logprobs[1:]), np.array([max(top.values()) for top in logprobs.top_logprobs[1:]])
+
+    lm, lm_top = echo(knn=False)
+    searched, _ = echo(knn_lambda=0.9, knn_skip_threshold=1.0)
+    threshold = float(np.median(np.exp(lm_top)))
+    skip = np.exp(lm_top) > threshold
+    before = scrape_metrics(knn_server.base_url)
+    served, _ = echo(knn_lambda=0.9, knn_skip_threshold=threshold)
+    after = scrape_metrics(knn_server.base_url)
+    np.testing.assert_allclose(served[skip], lm[skip], atol=1e-5)  # skipped: exactly the plain LM
+    np.testing.assert_allclose(served[~skip], searched[~skip], atol=1e-5)  # searched: the full mixture
+    assert np.all(np.abs(searched - lm)[~skip] > 0.01)  # which really differs from the LM
+    counted = {
+        name: metric_total(after, rf'knnlm_{name}_total\{{datastore="a"') - metric_total(before, rf'knnlm_{name}_total\{{datastore="a"')
+        for name in ("skipped_rows", "queries")
+    }
+    assert counted == {"skipped_rows": skip.sum(), "queries": (~skip).sum()}
 
 
 def test_adaptive_lambda_from_the_config_when_the_request_sets_none(knn_server, token_ids):
@@ -169,6 +198,7 @@ def test_chat_completions_accept_knn_xargs(knn_server):
         ({"knn_temperature": -1}, "knn_temperature"),
         ({"knn_datastore": "legal"}, "knn_datastore"),
         ({"knn_lambda": "high"}, "knn_lambda"),
+        ({"knn_skip_threshold": 2}, "knn_skip_threshold"),
         ({"knn_lamda": 0.9}, "knn_lamda"),  # a misspelt knob is refused, not silently ignored
     ],
 )

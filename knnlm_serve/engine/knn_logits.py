@@ -4,7 +4,8 @@ Per call (one per step for the sampling rows, one per request for prompt-logprob
   1. rows: each logits row's token in the step and its request's batch slot (vllm_adapter);
   2. requests: each row's kNN settings and pinned datastore version (batch_requests);
   3. groups: rows of active requests, by pinned version;
-  4. per group: the rows' keys (capture), the k nearest from that version's shards and the
+  4. per group: the rows the LM is not confident on (knn_mixer.rows_to_search; the others keep
+     p_LM), their keys (capture), the k nearest from that version's shards and the
      rows' λ, τ (knn_mixer.search, on the first tensor-parallel rank only, shared with the
      others), then log(λ·p_kNN + (1−λ)·p_LM) in place of those rows' logits (knn_mixer.mix).
 vLLM computes sample and prompt logprobs from what this returns, so clients see the mixture.
@@ -57,6 +58,9 @@ class KnnLogits:
         logits = logits.float()
         for key, group in groups.items():
             info = versions[key]
+            group = self.mixer.rows_to_search(logits, group, [params[r] for r in group], info.name)
+            if not group:
+                continue
             token_index = torch.as_tensor(rows.token_index[group], device=hidden_states.device)
             keys = self.capture.keys(info.key_type, token_index, hidden_states[group])
             queries = keys.float().cpu().numpy()

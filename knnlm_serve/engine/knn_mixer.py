@@ -1,4 +1,5 @@
-"""Search one datastore version for a group of logits rows, mix p_kNN into those rows, record metrics."""
+"""For a group of logits rows of one datastore version: drop the rows the LM is confident on
+(adaptive retrieval), search for the rest, mix p_kNN into those rows, record metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from knnlm_core.mixture import adaptive_lambda, interpolate
+from knnlm_core.mixture import adaptive_lambda, interpolate, lm_top_prob
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KnnParams
 from knnlm_serve.retrieval import RetrievalError
@@ -31,6 +32,17 @@ class Neighbours:
 class KnnMixer:
     def __init__(self, retriever):
         self.retriever = retriever
+
+    @staticmethod
+    def rows_to_search(logits: torch.Tensor, rows: list[int], params: list[KnnParams], datastore: str) -> list[int]:
+        """`rows` without those whose LM top probability exceeds their skip threshold: these keep p_LM."""
+        thresholds = torch.tensor([p.skip_threshold for p in params])
+        if bool((thresholds >= 1).all()):
+            return rows
+        top = lm_top_prob(logits[torch.as_tensor(rows, device=logits.device)]).cpu()
+        kept = [row for row, skip in zip(rows, (top > thresholds).tolist()) if not skip]
+        metrics.SKIPPED_ROWS.labels(datastore).inc(len(rows) - len(kept))
+        return kept
 
     def search(self, info: DatastoreInfo, keys: np.ndarray, params: list[KnnParams], runtime: Runtime) -> Neighbours | None:
         """The rows' neighbours, or None when no shard answered (the rows are then served LM-only)."""

@@ -5,6 +5,8 @@
     knn_lambda       [0, 1]       weight of p_kNN
     knn_k            1..max_k     neighbours per query
     knn_temperature  > 0          softmax temperature over negative distances
+    knn_skip_threshold [0, 1]     skip the search (serve p_LM) where the LM's top probability
+                                  exceeds this; 1 = search every step
 
 A knob the request leaves out takes the datastore's default (runtime.mix_defaults: config
 override, else the datastore's calibration, else the config's default; λ may be adaptive).
@@ -21,7 +23,7 @@ from knnlm_core.config import AdaptiveLambda
 from knnlm_core.errors import KnnlmError
 from knnlm_serve.runtime import Runtime, mix_defaults
 
-KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature")
+KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature", "knn_skip_threshold")
 
 
 class KnnParamError(KnnlmError):
@@ -38,6 +40,7 @@ class KnnParams:
     k: int
     temperature: float
     adaptive_lambda: AdaptiveLambda | None = None
+    skip_threshold: float = 1.0
 
     @property
     def active(self) -> bool:
@@ -70,7 +73,8 @@ def parse_knn_params(extra_args: dict | None, runtime: Runtime) -> KnnParams:
     temperature = _number("knn_temperature", args.get("knn_temperature", defaults.temperature), 0.0, math.inf, "a number > 0")
     if temperature == 0:
         raise KnnParamError("knn_temperature", temperature, "a number > 0")
-    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature, adaptive)
+    skip = _number("knn_skip_threshold", args.get("knn_skip_threshold", defaults.skip_threshold), 0.0, 1.0, "a number in [0, 1]")
+    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature, adaptive, skip)
 
 
 def _bool(value) -> bool:

@@ -34,8 +34,21 @@ def markdown_table(summary: dict) -> str:
     )
     s = summary["served"]
     rows.append(
-        f"| served through vLLM: {s['variant']} | {s['k']} | {s['temperature']:g} | {s['lambda']:g} | "
+        f"| served through vLLM: {s['variant']}, searches skipped where p_LM(top) > {s['skip_threshold']:.3g} "
+        f"({s['skipped_report']:.0%} of report tokens) | {s['k']} | {s['temperature']:g} | {s['lambda']:g} | "
         f"{s['vllm_tune_ppl']:.3f} | {s['vllm_report_ppl']:.3f} |"
+    )
+    ar = summary["adaptive_retrieval"]
+    rows += ["", "Adaptive retrieval on the served setting (skip the search where the LM's top probability exceeds a threshold):", ""]
+    rows += ["| threshold | tune skipped | tune ppl | report skipped | report ppl |", "|---|---|---|---|---|"]
+    rows += [
+        f"| {c['threshold']:.3g} | {c['tune_skipped']:.0%} | {c['tune_ppl']:.3f} | {c['report_skipped']:.0%} | {c['report_ppl']:.3f} |"
+        for c in ar["curve"]
+    ]
+    rows.append(
+        f"\nFitted (tuning ppl within {ar['tolerance']:.1%} of full retrieval): threshold {ar['threshold']:.3g}, "
+        f"{ar['skipped']:.0%} of report searches skipped, report ppl {ar['ppl']:.3f} vs {ar['full_ppl']:.3f} "
+        f"with every search ({100 * (ar['ppl'] / ar['full_ppl'] - 1):+.2f}%)."
     )
     t = summary["text"]
     return "\n".join(rows) + (
@@ -110,6 +123,18 @@ def plot_results(summary: dict, out_dir: Path) -> list[Path]:
         ax.plot([v["fraction"] * v["entries"] for v in sized], [v["best"]["report_ppl"] for v in sized], marker="o", label="kNN-LM (tuned)")
         ax.set_xscale("log")
         save(fig, ax, "ppl_vs_fraction.png", "Perplexity vs datastore size (random fractions)", "datastore entries")
+
+    ar = summary["adaptive_retrieval"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(
+        [c["report_skipped"] for c in ar["curve"]],
+        [c["report_ppl"] for c in ar["curve"]],
+        marker="o",
+        ms=3,
+        label="skip where p_LM(top) > t",
+    )
+    ax.plot([ar["skipped"]], [ar["ppl"]], "r*", ms=12, label=f"fitted t = {ar['threshold']:.3g}")
+    save(fig, ax, "ppl_vs_searches_skipped.png", "Adaptive retrieval: perplexity vs searches skipped", "share of searches skipped")
 
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(variants) + 1.5))
     bars = ax.barh([v["label"] for v in variants], [v["best"]["report_ppl"] for v in variants])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_core.calibration import fit_adaptive_lambda, perplexity, sweep
+from knnlm_core.calibration import fit_adaptive_lambda, fit_skip, perplexity, served_with_skips, sweep
 from knnlm_core.config import EvalConfig, KnnConfig
 from knnlm_core.mixture import adaptive_lambda, knn_log_prob, mixture_log_prob
 from knnlm_core.model_dir import model_fingerprint
@@ -44,7 +44,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     llm = open_engine(model_dir, checked[main][0], config)
     timings["engine_start_s"] = time.monotonic() - t0
     t0 = time.monotonic()
-    log_p_lm = score_with_vllm(llm, text, {"knn": False}, config.progress)
+    log_p_lm, top_log_p = score_with_vllm(llm, text, {"knn": False}, config.progress, top=True)
     timings["base_pass_s"] = time.monotonic() - t0
 
     kmax = max(config.ks)
@@ -80,16 +80,26 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     log_p_knn = knn_log_prob(distances, match, best["k"], best["temperature"])
     adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, config)
 
-    # The served setting: the first datastore as built (manifest nprobe), at its own best (k, τ, λ).
+    # The served setting: the first datastore as built (manifest nprobe), at its own best (k, τ, λ),
+    # with searches skipped where the LM is confident (the skip rule fitted to that setting).
     served, sb = variants[0], results[0]["best"]
+    sd, sm = neighbours[served]
+    log_p_full = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
+    skip = fit_skip(log_p_lm, log_p_full, top_log_p, tune, config.skip_tolerance)
     t0 = time.monotonic()
-    xargs = {"knn": True, "knn_datastore": main, "knn_lambda": sb["lambda"], "knn_k": sb["k"], "knn_temperature": sb["temperature"]}
+    xargs = {
+        "knn": True,
+        "knn_datastore": main,
+        "knn_lambda": sb["lambda"],
+        "knn_k": sb["k"],
+        "knn_temperature": sb["temperature"],
+        "knn_skip_threshold": skip["threshold"],
+    }
     log_p_served = score_with_vllm(llm, text, xargs, config.progress)
     timings["knn_pass_s"] = time.monotonic() - t0
-    sd, sm = neighbours[served]
-    log_p_numpy = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
+    log_p_numpy = served_with_skips(log_p_lm, log_p_full, top_log_p, skip["threshold"])
     del llm
-    served_defaults = _served_defaults(checked[main][0], log_p_lm, sd, sm, tune, best)
+    served_defaults = _served_defaults(checked[main][0], log_p_lm, top_log_p, sd, sm, tune, best)
     timings["total_s"] = time.monotonic() - started
 
     summary = {
@@ -113,12 +123,15 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
         "served": {
             "variant": served.label,
             **{k: sb[k] for k in ("k", "temperature", "lambda")},
+            "skip_threshold": skip["threshold"],
+            "skipped_report": float(np.mean(np.exp(top_log_p[~tune]) > skip["threshold"])),
             "vllm_tune_ppl": perplexity(log_p_served[tune]),
             "vllm_report_ppl": perplexity(log_p_served[~tune]),
             "numpy_tune_ppl": perplexity(log_p_numpy[tune]),
             "numpy_report_ppl": perplexity(log_p_numpy[~tune]),
             "max_abs_logprob_diff": float(np.max(np.abs(log_p_served - log_p_numpy))),
         },
+        "adaptive_retrieval": {"variant": served.label, **{k: sb[k] for k in ("k", "temperature", "lambda")}, **skip},
         "variants": results,
         "config": config.model_dump(mode="json"),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
@@ -127,6 +140,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
         "target": text.targets,
         "tune": tune,
         "log_p_lm": log_p_lm,
+        "top_log_p_lm": top_log_p,
         "log_p_knnlm_vllm": log_p_served,
         "log_p_knnlm_numpy": log_p_numpy,
         "d_nearest": sd[:, 0],
@@ -134,19 +148,23 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     return EvalRun(_plain(summary), arrays)
 
 
-def _served_defaults(info: DatastoreInfo, log_p_lm, distances, match, tune, best: dict) -> dict:
+def _served_defaults(info: DatastoreInfo, log_p_lm, top_log_p, distances, match, tune, best: dict) -> dict:
     """What a request that sets no knob gets from the first datastore as built (its calibration,
-    else the config defaults), scored from the same neighbours, and its gap to the tuned best."""
+    else the config defaults; searches skipped by its skip rule), scored from the same neighbours,
+    and its gap to the tuned best."""
     d = mix_defaults(KnnConfig(), info.name, info.calibration)
     k = min(d.k, distances.shape[1])
     lam = d.lambda_ if d.lambda_ is not None else adaptive_lambda(distances[:, 0].astype(np.float64), **d.adaptive_lambda.model_dump())
     mix = mixture_log_prob(log_p_lm, knn_log_prob(distances, match, k, d.temperature), lam, np.isfinite(distances[:, 0]))
+    mix = served_with_skips(log_p_lm, mix, top_log_p, d.skip_threshold)
     report = perplexity(mix[~tune])
     return {
         "lambda": "adaptive" if d.lambda_ is None else d.lambda_,
         "k": k,
         "temperature": d.temperature,
         "adaptive_lambda": d.adaptive_lambda.model_dump() if d.adaptive_lambda else None,
+        "skip_threshold": d.skip_threshold,
+        "skipped_report": float(np.mean(np.exp(top_log_p[~tune]) > d.skip_threshold)),
         "source": d.source,
         "tune_ppl": perplexity(mix[tune]),
         "report_ppl": report,

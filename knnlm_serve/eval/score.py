@@ -1,7 +1,7 @@
 """Scoring a text through the serving path: vLLM with the kNN plugin, and the same keys and search offline.
 
-`score_with_vllm` gets log p(target) from vLLM's prompt logprobs (kNN off: the base LM; kNN on: the
-served mixture). For sweeps, `encode_keys` computes the plugin's query vectors with the builder's
+`score_with_vllm` gets log p(target) from vLLM's prompt logprobs (kNN off: the base LM, with log p
+of the LM's top token, the confidence adaptive retrieval skips on; kNN on: the served mixture). For sweeps, `encode_keys` computes the plugin's query vectors with the builder's
 encoder over the same windows, and `find_neighbours` searches each datastore variant once.
 """
 
@@ -59,20 +59,23 @@ def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
     return llm
 
 
-def score_with_vllm(llm, text: EvalText, xargs: dict, progress: bool = True) -> np.ndarray:
-    """log p(target) [T] from vLLM's prompt logprobs, one request per window."""
+def score_with_vllm(llm, text: EvalText, xargs: dict, progress: bool = True, top: bool = False):
+    """log p(target) [T] from vLLM's prompt logprobs, one request per window; with `top`, also log p
+    of the top token at each position [T] (prompt logprobs of rank 1 come with the target's)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, extra_args=xargs)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=int(top), temperature=0.0, extra_args=xargs)
     windows = text.plan.windows
     prompts = [{"prompt_token_ids": text.tokens[f : k1 + 1].tolist()} for f, _, k1 in windows]
     outputs = llm.generate(prompts, params, use_tqdm=progress)
-    scores = []
+    scores, tops = [], []
     for (f, k0, k1), out in zip(windows, outputs):
         ids = text.tokens[k0 + 1 : k1 + 1]
         rows = out.prompt_logprobs[k0 + 1 - f : k1 + 1 - f]
         scores.append([row[int(t)].logprob for row, t in zip(rows, ids)])
-    return np.concatenate(scores).astype(np.float64)
+        tops.append([max(p.logprob for p in row.values()) for row in rows])
+    log_p = np.concatenate(scores).astype(np.float64)
+    return (log_p, np.concatenate(tops).astype(np.float64)) if top else log_p
 
 
 def encode_keys(model_dir: Path, text: EvalText, key_type: KeyType, config: EvalConfig) -> np.ndarray:

@@ -233,5 +233,6 @@ def _info_labels(info: DatastoreInfo) -> tuple[str, ...]:
         lam,
         str(d.k),
         f"{d.temperature:g}",
+        f"{d.skip_threshold:g}",
         d.source["lambda"],
     )
