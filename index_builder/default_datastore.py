@@ -37,6 +37,7 @@ MODULES = (
     "fractions",
     "decimal",
 )
+RECIPE = 2  # bumped when what the build stores changes (2: the calibration's skip rule), so caches rebuild
 
 
 def stdlib_documents(modules=MODULES) -> dict[str, str]:
@@ -55,7 +56,7 @@ def stdlib_documents(modules=MODULES) -> dict[str, str]:
 
 def prepare_default_datastore(model_dir: Path) -> Path:
     """Build (first run only, with progress bars) and return the default datastore for this model."""
-    out = cache_dir() / "datastores" / f"pydocs-{model_fingerprint(model_dir)}"
+    out = cache_dir() / "datastores" / f"pydocs-r{RECIPE}-{model_fingerprint(model_dir)}"
     if (out / MANIFEST).exists():
         return out
     logger.info("building the default datastore (Python standard-library docs) at %s", out)
