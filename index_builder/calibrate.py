@@ -2,8 +2,9 @@
 λ, τ, k, the adaptive-λ curve and the skip rule, and store them in the manifest as the served defaults.
 
 `knnlm-index build` calibrates on the slice it held out of the corpus (knnlm_core.calibration
-.split_heldout); `knnlm-index calibrate` on the user's own text, keeping the old calibration in
-the manifest's history. Either way the search is the one the server runs: the index as built, at
+.split_heldout); `knnlm-index calibrate` on the user's own text, or again on the build's slice
+(re-derived from the corpus the manifest names, e.g. after an upgrade that fits more), keeping the
+old calibration in the manifest's history. Either way the search is the one the server runs: the index as built, at
 the manifest's nprobe. The shards are never touched; the manifest is replaced atomically.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_core.calibration import MIN_HELDOUT_TOKENS, fit_calibration
+from knnlm_core.calibration import MIN_HELDOUT_TOKENS, fit_calibration, split_heldout
 from knnlm_core.config import BuildConfig, SweepGrid
 from knnlm_core.corpus import find_files, tokenize_files
 from knnlm_core.datastore import Calibration, Manifest, check_compatible, read_manifest, write_manifest
@@ -72,18 +73,43 @@ def calibrate_on(
     return calibration
 
 
+def build_heldout(root: Path, manifest: Manifest, model_dir: Path, config: BuildConfig) -> tuple[np.ndarray, np.ndarray, str]:
+    """The slice the build held out, re-derived from the corpus files the manifest names: the same
+    tokens give the same split. Refused when the files are gone or changed since the build."""
+    again = "pass held-out text of the datastore's domain instead: knnlm-index calibrate DATASTORE TEXT..."
+    missing = [s for s in manifest.corpus.sources if not Path(s).exists()]
+    if missing:
+        raise CorpusError(f"datastore {root}: its corpus file {missing[0]} is gone; {again}")
+    files = [Path(s) for s in manifest.corpus.sources]
+    tokens, offsets = tokenize_files(files, model_dir, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8)
+    if len(tokens) != manifest.corpus.tokens:
+        raise CorpusError(
+            f"datastore {root}: its corpus now has {len(tokens):,} tokens, the build had {manifest.corpus.tokens:,}: "
+            f"the files changed since the build; {again}"
+        )
+    heldout = split_heldout(tokens, offsets)
+    if heldout is None:
+        raise CorpusError(f"datastore {root}: its corpus is too small to hold out a calibration slice; {again}")
+    return heldout.tokens, heldout.offsets, f"build: {heldout.description}"
+
+
 def recalibrate(datastore: str | Path, texts: list[str | Path], model_dir: Path, config: BuildConfig, progress: bool = True) -> Manifest:
-    """`knnlm-index calibrate`: calibrate an existing datastore on held-out text of the user's."""
+    """`knnlm-index calibrate`: calibrate an existing datastore on held-out text of the user's, or
+    (no texts) again on the slice its build held out."""
     root = Path(datastore)
     manifest = read_manifest(root)
     check_compatible(manifest, fingerprint=model_fingerprint(model_dir), where=f"datastore {root}")
-    tokens, offsets = tokenize_files(find_files(texts), model_dir, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8)
-    if len(tokens) - (len(offsets) - 1) < MIN_HELDOUT_TOKENS:
-        raise CorpusError(
-            f"the calibration text ({', '.join(map(str, texts))}) has {len(tokens)} tokens; calibrating needs at least "
-            f"{MIN_HELDOUT_TOKENS} scored tokens of held-out text from the datastore's domain"
-        )
-    calibration = calibrate_on(root, manifest, model_dir, tokens, offsets, f"texts: {', '.join(map(str, texts))}", config, progress)
+    if texts:
+        tokens, offsets = tokenize_files(find_files(texts), model_dir, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8)
+        heldout = f"texts: {', '.join(map(str, texts))}"
+        if len(tokens) - (len(offsets) - 1) < MIN_HELDOUT_TOKENS:
+            raise CorpusError(
+                f"the calibration text ({', '.join(map(str, texts))}) has {len(tokens)} tokens; calibrating needs at least "
+                f"{MIN_HELDOUT_TOKENS} scored tokens of held-out text from the datastore's domain"
+            )
+    else:
+        tokens, offsets, heldout = build_heldout(root, manifest, model_dir, config)
+    calibration = calibrate_on(root, manifest, model_dir, tokens, offsets, heldout, config, progress)
     history = [*manifest.calibration_history, *([manifest.calibration] if manifest.calibration else [])]
     updated = manifest.model_copy(update={"calibration": calibration, "calibration_note": None, "calibration_history": history})
     write_manifest(root, updated)

@@ -50,12 +50,16 @@ def main(argv: list[str] | None = None) -> None:
     build.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_config_flags(build, BuildConfig)
 
-    calibrate = commands.add_parser("calibrate", help="fit the served λ, τ, k of a datastore on held-out text (rewrites only the manifest)")
+    calibrate = commands.add_parser(
+        "calibrate", help="fit the served λ, τ, k and skip rule of a datastore on held-out text (rewrites only the manifest)"
+    )
     calibrate.add_argument("datastore")
-    calibrate.add_argument("texts", nargs="+", help="held-out text of the datastore's domain: files or directories")
+    calibrate.add_argument(
+        "texts", nargs="*", help="held-out text of the datastore's domain: files or directories; none: the slice its build held out"
+    )
     calibrate.add_argument("--model", default=DEFAULT_MODEL, help='the model the datastore was built for: "default" or a directory')
-    calibrate.add_argument("--context-length", type=int, default=BuildConfig().context_length)
-    calibrate.add_argument("--stride", type=int, default=BuildConfig().stride)
+    calibrate.add_argument("--context-length", type=int, help="default: the build's")
+    calibrate.add_argument("--stride", type=int, help="default: the build's")
     calibrate.add_argument("--text-field", default=BuildConfig().text_field, help="field holding the text in .jsonl inputs")
     calibrate.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -85,12 +89,13 @@ def main(argv: list[str] | None = None) -> None:
             from index_builder.calibrate import recalibrate
             from knnlm_core.datastore import read_manifest
 
+            built = read_manifest(args.datastore)
             try:
                 config = BuildConfig(
-                    context_length=args.context_length,
-                    stride=args.stride,
+                    context_length=args.context_length or built.build.context_length,
+                    stride=args.stride or built.build.stride,
                     text_field=args.text_field,
-                    dtype=read_manifest(args.datastore).model.dtype,
+                    dtype=built.model.dtype,
                 )
             except ValidationError as e:
                 raise ConfigError(validation_message(e)) from None

@@ -20,6 +20,7 @@ from index_builder.default_datastore import stdlib_documents
 from knnlm_core.calibration import fit_skip, perplexity, split_heldout
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import MANIFEST, read_manifest
+from knnlm_core.errors import CorpusError
 from knnlm_serve.server.process import RunningServer
 
 TOKEN = "cal-token"
@@ -217,3 +218,27 @@ def test_calibrate_replaces_the_manifest_atomically_and_a_hot_swap_serves_it(ser
     now = listing(server)["cal"]
     assert now["version"] == 2 and now["calibration"]["heldout"].startswith("texts:")
     assert now["defaults"]["k"] == manifest.calibration.k and now["defaults"]["temperature"] == manifest.calibration.temperature
+
+
+def test_calibrate_without_text_refits_the_slice_the_build_held_out(datastores, corpus, tiny_model_dir):
+    from index_builder.calibrate import recalibrate
+
+    shutil.copytree(datastores / "cal", datastores / "refit")
+    built = read_manifest(datastores / "cal").calibration
+    refit = recalibrate(datastores / "refit", [], tiny_model_dir, CONFIG, progress=False)
+    new = refit.calibration
+    assert new.heldout == built.heldout and refit.calibration_history == [built]  # same slice, old fit kept
+    assert (new.lambda_, new.k, new.temperature, new.mode) == (built.lambda_, built.k, built.temperature, built.mode)
+    assert new.skip.threshold == pytest.approx(built.skip.threshold) and new.knn_ppl == pytest.approx(built.knn_ppl, rel=1e-4)
+
+    # A corpus that changed since the build would give another slice: refused, manifest untouched.
+    changed = corpus / "changed"
+    shutil.copytree(corpus / "indexed", changed)
+    (changed / "json.txt").write_text((changed / "json.txt").read_text() + "\n\nOne more paragraph about JSON.")
+    manifest = json.loads((datastores / "refit" / MANIFEST).read_text())
+    manifest["corpus"]["sources"] = [s.replace(str(corpus / "indexed"), str(changed)) for s in manifest["corpus"]["sources"]]
+    (datastores / "refit" / MANIFEST).write_text(json.dumps(manifest))
+    before = (datastores / "refit" / MANIFEST).read_bytes()
+    with pytest.raises(CorpusError, match="changed since the build.*knnlm-index calibrate DATASTORE TEXT"):
+        recalibrate(datastores / "refit", [], tiny_model_dir, CONFIG, progress=False)
+    assert (datastores / "refit" / MANIFEST).read_bytes() == before
