@@ -155,8 +155,8 @@ def _served_defaults(info: DatastoreInfo, log_p_lm, top_log_p, distances, match,
     d = mix_defaults(KnnConfig(), info.name, info.calibration)
     k = min(d.k, distances.shape[1])
     lam = d.lambda_ if d.lambda_ is not None else adaptive_lambda(distances[:, 0].astype(np.float64), **d.adaptive_lambda.model_dump())
-    mix = mixture_log_prob(log_p_lm, knn_log_prob(distances, match, k, d.temperature), lam, np.isfinite(distances[:, 0]))
-    mix = served_with_skips(log_p_lm, mix, top_log_p, d.skip_threshold)
+    every_search = mixture_log_prob(log_p_lm, knn_log_prob(distances, match, k, d.temperature), lam, np.isfinite(distances[:, 0]))
+    mix = served_with_skips(log_p_lm, every_search, top_log_p, d.skip_threshold)
     report = perplexity(mix[~tune])
     return {
         "lambda": "adaptive" if d.lambda_ is None else d.lambda_,
@@ -165,6 +165,7 @@ def _served_defaults(info: DatastoreInfo, log_p_lm, top_log_p, distances, match,
         "adaptive_lambda": d.adaptive_lambda.model_dump() if d.adaptive_lambda else None,
         "skip_threshold": d.skip_threshold,
         "skipped_report": float(np.mean(np.exp(top_log_p[~tune]) > d.skip_threshold)),
+        "report_ppl_every_search": perplexity(every_search[~tune]),
         "source": d.source,
         "tune_ppl": perplexity(mix[tune]),
         "report_ppl": report,
