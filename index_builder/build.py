@@ -129,7 +129,15 @@ def build_datastore(
                 "seconds": round(time.monotonic() - started, 2),
             }
         )
-        write_manifest(work, manifest.model_copy(update={"calibration": calibration, "calibration_note": note, "build": build}))
+        # Each document of n tokens gives n - 1 entries (every position but its last), in corpus order.
+        np.save(work / "documents.npy", np.concatenate([[0], np.cumsum(np.maximum(np.diff(offsets), 1) - 1)]).astype(np.int64))
+        update = {
+            "calibration": calibration,
+            "calibration_note": note,
+            "build": build,
+            "documents": file_entry(work, work / "documents.npy"),
+        }
+        write_manifest(work, manifest.model_copy(update=update))
     return _publish(work, output, progress)
 
 
@@ -325,7 +333,7 @@ def _add_shards(work: Path, keys: np.ndarray, values: np.ndarray, config: BuildC
 def _publish(work: Path, output: Path, progress: bool) -> Manifest:
     """Drop the build's scratch files, then move the finished datastore into place."""
     manifest = Manifest.model_validate_json((work / MANIFEST).read_text())
-    keep = {MANIFEST} | {p.name for p in work.glob("shard-*")}
+    keep = {MANIFEST} | {f.path.split("/")[0] for f in manifest.files()}
     for item in work.iterdir():
         if item.name not in keep:
             shutil.rmtree(item) if item.is_dir() else item.unlink()

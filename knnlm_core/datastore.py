@@ -4,6 +4,11 @@
     <datastore>/shard-000/index.faiss    FAISS index over this shard's keys (ids 0..n-1)
     <datastore>/shard-000/values.npy     int32 next-token ids, values[i] belongs to index id i
     <datastore>/shard-000/keys.npy       optional fp16 keys, for exact re-scoring / verification
+    <datastore>/documents.npy            int64 [documents + 1]: where each document's entries begin
+                                         (entries are in corpus order, shards contiguous: entry i's
+                                         successor i + 1 is the next position of the same document
+                                         when both lie in one document's range). Absent in
+                                         datastores built from keys or before it existed.
 
 Only JSON and plain `.npy` arrays are read (`allow_pickle=False`): a datastore is data, never code.
 """
@@ -123,6 +128,11 @@ class Manifest(_Record):
     calibration: Calibration | None = None
     calibration_note: str | None = None  # why there is no calibration
     calibration_history: list[Calibration] = []  # earlier calibrations, oldest first
+    documents: FileEntry | None = None  # documents.npy; None: no document boundaries (no pointer following)
+
+    def files(self) -> list[FileEntry]:
+        """Every data file the manifest lists, with its size and checksum."""
+        return [f for s in self.shards for f in shard_files(s)] + ([self.documents] if self.documents else [])
 
 
 def read_manifest(path: str | os.PathLike) -> Manifest:
@@ -149,16 +159,15 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         manifest = Manifest.model_validate(raw)
     except ValidationError as e:
         raise DatastoreError(f"{manifest_file} is malformed: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
-    for shard in manifest.shards:
-        for entry in shard_files(shard):
-            file = path / entry.path
-            if not file.is_file():
-                raise DatastoreError(f"datastore {path}: shard file {entry.path} is missing")
-            if file.stat().st_size != entry.bytes:
-                raise DatastoreError(
-                    f"datastore {path}: {entry.path} has {file.stat().st_size} bytes, manifest says "
-                    f"{entry.bytes} (truncated or replaced); rebuild the datastore"
-                )
+    for entry in manifest.files():
+        file = path / entry.path
+        if not file.is_file():
+            raise DatastoreError(f"datastore {path}: file {entry.path} is missing")
+        if file.stat().st_size != entry.bytes:
+            raise DatastoreError(
+                f"datastore {path}: {entry.path} has {file.stat().st_size} bytes, manifest says "
+                f"{entry.bytes} (truncated or replaced); rebuild the datastore"
+            )
     return manifest
 
 
@@ -167,11 +176,10 @@ def shard_files(shard: ShardEntry) -> list[FileEntry]:
 
 
 def verify_checksums(path: str | os.PathLike, manifest: Manifest) -> None:
-    """Re-hash every shard file; raise on the first that does not match the manifest."""
-    for shard in manifest.shards:
-        for entry in shard_files(shard):
-            if sha256_file(Path(path) / entry.path) != entry.sha256:
-                raise DatastoreError(f"datastore {path}: checksum mismatch in {entry.path}; the file is corrupt")
+    """Re-hash every data file; raise on the first that does not match the manifest."""
+    for entry in manifest.files():
+        if sha256_file(Path(path) / entry.path) != entry.sha256:
+            raise DatastoreError(f"datastore {path}: checksum mismatch in {entry.path}; the file is corrupt")
 
 
 def check_compatible(manifest: Manifest, *, fingerprint: str, where: str = "datastore") -> None:
@@ -189,6 +197,13 @@ def file_entry(root: Path, file: Path) -> FileEntry:
 
 def load_values(path: Path) -> np.ndarray:
     return np.load(path, allow_pickle=False, mmap_mode="r")
+
+
+def load_document_starts(root: Path, manifest: Manifest) -> np.ndarray | None:
+    """documents.npy (where each document's entries begin, and the total), or None when not recorded."""
+    if manifest.documents is None:
+        return None
+    return np.load(root / manifest.documents.path, allow_pickle=False)
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from knnlm_core.config import AdaptiveLambda, KeyType, KnnConfig
-from knnlm_core.datastore import Calibration, Manifest, check_compatible, read_manifest, shard_files
+from knnlm_core.datastore import Calibration, Manifest, check_compatible, read_manifest
 from knnlm_core.errors import DatastoreError
 from knnlm_core.keys import no_ffn_input_error, supports_ffn_input
 from knnlm_core.model_dir import architecture_of, hidden_size_of, model_fingerprint
@@ -94,7 +94,7 @@ class DatastoreInfo(BaseModel):
             shards=[s.name for s in manifest.shards],
             index=manifest.index.factory,
             fingerprint=manifest.model.fingerprint,
-            bytes=sum(f.bytes for s in manifest.shards for f in shard_files(s)),
+            bytes=sum(f.bytes for f in manifest.files()),
             calibration=manifest.calibration,
         )
 

@@ -16,7 +16,7 @@ import pytest
 from index_builder.build import build_datastore
 from index_builder.verify import verify_datastore
 from knnlm_core.config import BuildConfig
-from knnlm_core.datastore import read_manifest
+from knnlm_core.datastore import load_document_starts, read_manifest
 from knnlm_core.search import merge_topk, open_shards
 from knnlm_core.windows import plan_windows
 
@@ -74,6 +74,17 @@ def test_two_shard_build_stores_every_pair_and_finds_its_own_values(corpus, tiny
     _, tokens = merge_topk([s.search(keys, 1) for s in searchers], 1)
     assert np.mean(tokens[:, 0] == values) > 0.95  # the rest are exact duplicate contexts
     assert not list(tmp_path.glob(".*partial"))
+    # Document boundaries: each document's entries are its positions in corpus order, so within a
+    # document entry i + 1's value is the token after entry i's value.
+    from transformers import AutoTokenizer
+
+    starts = load_document_starts(out, manifest)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lengths = [len(tokenizer(p.read_text()).input_ids) for p in sorted(corpus.iterdir())]
+    assert np.array_equal(np.diff(starts), np.array(lengths) - 1) and starts[-1] == manifest.entries
+    all_values = np.concatenate([np.load(out / s.values.path) for s in manifest.shards])
+    first = tokenizer((sorted(corpus.iterdir())[1]).read_text()).input_ids
+    assert all_values[starts[1] : starts[2]].tolist() == first[1:]
 
 
 def test_keys_are_the_models_final_hidden_states(corpus, tiny_model_dir, tmp_path):
