@@ -323,7 +323,7 @@ def measure(args, record: dict, final: Path) -> dict:
 
     from knnlm_core.config import KnnConfig
     from knnlm_core.mixture import interpolate
-    from knnlm_core.search import ShardSearcher, merge_topk
+    from knnlm_core.search import merge_topk, open_shards
     from knnlm_serve.runtime import DatastoreInfo, Runtime
 
     gen = ClusteredVectors(args.seed)
@@ -373,7 +373,7 @@ def measure(args, record: dict, final: Path) -> dict:
         breakdown = {"batch": bb, "k": K, "nprobe": NPROBE}
         for n in SHARD_COUNTS:  # own searchers: the retrievers' are internal to them
             root = Path(infos[names[n]].path)
-            shards = [ShardSearcher(root, s, use_gpu=False) for s in manifests[n].shards]
+            shards = open_shards(root, manifests[n], use_gpu=False)
             per_shard = []
             for sh in shards:
                 per_shard.append(stats_ms(timed(sh.search, lambda: (pool.next(bb), K, NPROBE), 2, reps), bb))
@@ -388,7 +388,7 @@ def measure(args, record: dict, final: Path) -> dict:
                 "codes_scanned_per_query": int(scanned),
                 "merge_topk": merge,
             }
-        distances, tokens = merge_topk(answers, K)  # from the last layout: real answers
+        distances, tokens, _ = merge_topk(answers, K)  # from the last layout: real answers
         d_t, t_t = torch.from_numpy(distances), torch.from_numpy(tokens)
         logits = torch.randn(bb, VOCAB)
         lam, temp = torch.full((bb,), 0.25), torch.full((bb,), 1.0)

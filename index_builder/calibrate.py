@@ -49,8 +49,8 @@ def calibrate_on(
     )
     del encoder
     targets = window_values(tokens, plan)
-    shards = [(s.index, s.values, None) for s in open_shards(root, manifest)]
-    distances, found = search_many(shards, keys, max(SweepGrid().ks), manifest.index.nprobe)
+    shards = [(s.index, s.values, None, s.first_id) for s in open_shards(root, manifest)]
+    distances, found, _ = search_many(shards, keys, max(SweepGrid().ks), manifest.index.nprobe)
     fit = fit_calibration(log_p_lm, top_log_p, distances, found == targets[:, None])
     calibration = Calibration(
         **fit, heldout=heldout, nprobe=manifest.index.nprobe, created=datetime.now(timezone.utc).isoformat(timespec="seconds")

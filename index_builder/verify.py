@@ -46,7 +46,7 @@ def verify_datastore(path: str | Path, samples: int = 1000, k: int = 8, nprobe: 
         distances, found = searcher.index.search(queries, k, params=params)
         own = np.sum((queries - np.stack([searcher.index.reconstruct(int(i)) for i in ids])) ** 2, axis=1)
         hits += int(np.sum((found[:, 0] == ids) | (distances[:, 0] >= own - 1e-4 * (1 + own))))
-        _, tokens = merge_topk([other.search(queries, k, nprobe) for other in searchers], k)
+        _, tokens, _ = merge_topk([other.search(queries, k, nprobe) for other in searchers], k)
         value_hits += int(np.sum(tokens[:, 0] == searcher.values[ids]))
         top1_distances.append(distances[:, 0])
         total += len(ids)

@@ -93,6 +93,11 @@ class KnnConfig(_Strict):
         le=1,
         description="skip the search (serve p_LM) for rows whose LM top probability exceeds this, without a calibration; 1 = never",
     )
+    min_pointers: int = Field(
+        0,
+        ge=0,
+        description="decode steps reuse the last step's neighbours' successors instead of searching when this many survive; 0 = off",
+    )
     nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's manifest")
     backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")

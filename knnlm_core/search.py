@@ -3,8 +3,10 @@
 The server's shard actors, the evaluator, `knnlm-index verify` and the benchmarks all search
 through `search_index`, so they agree on padding, nprobe and token lookup.
 
-A shard answers `search(queries, k, nprobe) -> (distances, token_ids)`; rows with fewer than k
-entries are padded with distance +inf and token -1, so answers from shards of any size merge.
+A shard answers `search(queries, k, nprobe) -> (distances, token_ids, entry_ids)`; rows with
+fewer than k entries are padded with distance +inf, token -1 and id -1, so answers from shards
+of any size merge. Entry ids are global (the shard's first id plus its FAISS id): entries are in
+corpus order across shards, which pointer following relies on.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def gpu_available() -> bool:
 class ShardSearcher:
     """A FAISS shard with its values; on GPU when faiss-gpu sees a device, else on CPU."""
 
-    def __init__(self, root: Path, shard: ShardEntry, use_gpu: bool | None = None):
+    def __init__(self, root: Path, shard: ShardEntry, first_id: int, use_gpu: bool | None = None):
         self.name = shard.name
+        self.first_id = first_id
         index = faiss.read_index(str(root / shard.index.path))
         self.values = np.ascontiguousarray(load_values(root / shard.values.path), dtype=np.int32)
         if len(self.values) != index.ntotal:
@@ -38,15 +41,35 @@ class ShardSearcher:
         self.index = index
         self.ntotal = index.ntotal
         self.dim = index.d
+        self._reconstructs = None
 
-    def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        return search_index(self.index, self.values, queries, k, nprobe)
+    def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return search_index(self.index, self.values, queries, k, nprobe, first_id=self.first_id)
+
+    def lookup(self, queries: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Score row i's candidate entries `ids[i]` (global ids, -1 padding; ids of other shards are
+        left out) against query i: (distances, tokens, ids) sorted by distance, padded as search's.
+        The distance is the index's own (exact keys for Flat, the decoded codes for PQ)."""
+        local = np.where((ids >= self.first_id) & (ids < self.first_id + self.ntotal), ids - self.first_id, -1)
+        found = local >= 0
+        if self._reconstructs is None:
+            ivf = ivf_of(self.index)
+            if ivf is not None:  # IVF lists reconstruct through a direct map (8 bytes per entry), made once
+                ivf.make_direct_map()
+            self._reconstructs = True
+        keys = np.zeros((*ids.shape, self.dim), dtype=np.float32)
+        keys[found] = self.index.reconstruct_batch(local[found].astype(np.int64))
+        distances = np.where(found, np.sum((keys - queries[:, None, :]) ** 2, axis=2), np.inf).astype(np.float32)
+        order = np.argsort(distances, axis=1, kind="stable")
+        tokens = np.where(found, self.values[np.maximum(local, 0)], -1).astype(np.int32)
+        return tuple(np.take_along_axis(a, order, axis=1) for a in (distances, tokens, np.where(found, ids, -1)))
 
 
 def search_index(
-    index, values: np.ndarray, queries: np.ndarray, k: int, nprobe: int | None = None, keep: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """(distances, tokens) [n, k] of the k nearest entries, padded with (+inf, -1) past the index size.
+    index, values: np.ndarray, queries: np.ndarray, k: int, nprobe: int | None = None, keep: np.ndarray | None = None, first_id: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(distances, tokens, ids) [n, k] of the k nearest entries, padded with (+inf, -1, -1) past the
+    index size; ids are `first_id` + the index's own.
 
     `nprobe` overrides the index's own for IVF indexes; `keep` (bool per entry) restricts the
     search to a subset, e.g. a random fraction of the datastore."""
@@ -62,7 +85,7 @@ def search_index(
         params.sel = selector
     distances, ids = index.search(queries, min(k, index.ntotal), params=params)
     tokens = np.where(ids >= 0, values[np.maximum(ids, 0)], -1).astype(np.int32)
-    return _pad(np.where(ids >= 0, distances, np.inf).astype(np.float32), tokens, k)
+    return _pad(np.where(ids >= 0, distances, np.inf).astype(np.float32), tokens, np.where(ids >= 0, ids + first_id, -1), k)
 
 
 def ivf_of(index):
@@ -79,27 +102,34 @@ def set_nprobe(index, nprobe: int) -> None:
         ivf.nprobe = nprobe
 
 
-def _pad(distances: np.ndarray, tokens: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _pad(distances: np.ndarray, tokens: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     missing = k - distances.shape[1]
     if missing <= 0:
-        return distances, tokens
+        return distances, tokens, ids.astype(np.int64)
     n = distances.shape[0]
     return (
         np.concatenate([distances, np.full((n, missing), np.inf, np.float32)], axis=1),
         np.concatenate([tokens, np.full((n, missing), -1, np.int32)], axis=1),
+        np.concatenate([ids.astype(np.int64), np.full((n, missing), -1, np.int64)], axis=1),
     )
 
 
-def merge_topk(answers: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Merge per-shard (distances, tokens) answers into the global k nearest, sorted by distance."""
-    distances = np.concatenate([d for d, _ in answers], axis=1)
-    tokens = np.concatenate([t for _, t in answers], axis=1)
-    order = np.argsort(distances, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(distances, order, axis=1), np.take_along_axis(tokens, order, axis=1)
+def merge_topk(answers: list[tuple[np.ndarray, ...]], k: int) -> tuple[np.ndarray, ...]:
+    """Merge per-shard (distances, tokens, ids) answers into the global k nearest, sorted by distance."""
+    if len(answers) == 1:  # one shard's answer is already its top-k, sorted
+        return tuple(a[:, :k] for a in answers[0])
+    columns = [np.concatenate(column, axis=1) for column in zip(*answers)]
+    order = np.argsort(columns[0], axis=1, kind="stable")[:, :k]
+    return tuple(np.take_along_axis(c, order, axis=1) for c in columns)
+
+
+def shard_first_ids(manifest: Manifest) -> list[int]:
+    """Each shard's first global entry id (shards hold contiguous ranges, in order)."""
+    return np.concatenate([[0], np.cumsum([s.entries for s in manifest.shards])[:-1]]).astype(int).tolist()
 
 
 def open_shards(root: Path, manifest: Manifest, use_gpu: bool | None = None) -> list[ShardSearcher]:
-    return [ShardSearcher(root, shard, use_gpu=use_gpu) for shard in manifest.shards]
+    return [ShardSearcher(root, shard, first, use_gpu=use_gpu) for shard, first in zip(manifest.shards, shard_first_ids(manifest))]
 
 
 SEARCH_BATCH = 2048  # queries per FAISS call in offline searches: large batches amortise top-k selection
@@ -108,14 +138,12 @@ SEARCH_BATCH = 2048  # queries per FAISS call in offline searches: large batches
 def search_many(
     shards: list[tuple], queries: np.ndarray, k: int, nprobe: int | None = None, *, progress: bool = False, desc: str = "search"
 ):
-    """The merged top-k (distances [n, k], tokens [n, k]) of many queries over `shards`, a list of
-    (index, values, keep-mask or None): offline searches (calibration, knnlm-eval), in batches."""
+    """The merged top-k (distances, tokens, ids [n, k]) of many queries over `shards`, a list of
+    (index, values, keep-mask or None, first id): offline searches (calibration, knnlm-eval), in batches."""
     from tqdm import tqdm
 
-    out_d, out_t = [], []
+    parts = []
     for i in tqdm(range(0, len(queries), SEARCH_BATCH), desc=desc, disable=not progress):
         q = queries[i : i + SEARCH_BATCH]
-        d, t = merge_topk([search_index(index, values, q, k, nprobe, keep) for index, values, keep in shards], k)
-        out_d.append(d)
-        out_t.append(t)
-    return np.concatenate(out_d), np.concatenate(out_t)
+        parts.append(merge_topk([search_index(index, values, q, k, nprobe, keep, first) for index, values, keep, first in shards], k))
+    return tuple(np.concatenate(column) for column in zip(*parts))

@@ -34,6 +34,9 @@ SLOWEST_SHARD_SECONDS = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 QUERIES = Counter("knnlm_queries", "query vectors sent to a datastore", ["datastore"])
+POINTER_ROWS = Counter(
+    "knnlm_pointer_rows", "rows of kNN requests served from the last step's neighbours' successors, without a search", ["datastore"]
+)
 SKIPPED_ROWS = Counter(
     "knnlm_skipped_rows", "rows of kNN requests served p_LM without a search: the LM was confident (adaptive retrieval)", ["datastore"]
 )

@@ -1,7 +1,8 @@
 """Batched top-k search over a datastore version's shards: Ray actors (one per shard) or in-process.
 
 Both backends answer `search(info, queries, k, nprobe)` with the global top-k merged from every
-shard's top-k by distance. A shard that fails or misses the deadline is left out (policy
+shard's top-k by distance, and `lookup(info, queries, ids)` with the given entries scored against
+each query (pointer following), merged the same way. A shard that fails or misses the deadline is left out (policy
 `partial`) or fails the whole search (policy `lm_only`); either way the caller learns why.
 """
 
@@ -17,7 +18,7 @@ import numpy as np
 from knnlm_core.config import KnnConfig
 from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
-from knnlm_core.search import ShardSearcher, gpu_available, merge_topk
+from knnlm_core.search import ShardSearcher, gpu_available, merge_topk, shard_first_ids
 from knnlm_serve.runtime import DatastoreInfo
 
 
@@ -35,14 +36,20 @@ class RetrievalError(KnnlmError):
 class SearchResult:
     distances: np.ndarray
     tokens: np.ndarray
+    ids: np.ndarray  # global entry ids
     shard_seconds: dict[str, float]
     failed_shards: dict[str, str] = field(default_factory=dict)  # shard -> reason
 
 
-def _timed_search(searcher: ShardSearcher, queries: np.ndarray, k: int, nprobe: int | None):
+def _timed(method, *args):
+    """(distances, tokens, ids, seconds) of a shard's search or lookup."""
     start = time.perf_counter()
-    distances, tokens = searcher.search(queries, k, nprobe)
-    return distances, tokens, time.perf_counter() - start
+    return (*method(*args), time.perf_counter() - start)
+
+
+def _shard_searchers(info: DatastoreInfo, use_gpu: bool | None) -> list[ShardSearcher]:
+    manifest = read_manifest(info.path)
+    return [ShardSearcher(Path(info.path), s, first, use_gpu=use_gpu) for s, first in zip(manifest.shards, shard_first_ids(manifest))]
 
 
 class LocalRetriever:
@@ -53,12 +60,17 @@ class LocalRetriever:
         self._shards: dict[tuple[str, int], list[ShardSearcher]] = {}
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None) -> SearchResult:
+        return self._gather(info, k, lambda s: _timed(s.search, queries, k, nprobe))
+
+    def lookup(self, info: DatastoreInfo, queries: np.ndarray, ids: np.ndarray) -> SearchResult:
+        return self._gather(info, ids.shape[1], lambda s: _timed(s.lookup, queries, ids))
+
+    def _gather(self, info: DatastoreInfo, k: int, ask) -> SearchResult:
         if info.key not in self._shards:
-            manifest = read_manifest(info.path)
-            self._shards[info.key] = [ShardSearcher(Path(info.path), s, use_gpu=self.gpu) for s in manifest.shards]
-        answers = {s.name: _timed_search(s, queries, k, nprobe) for s in self._shards[info.key]}
-        distances, tokens = merge_topk([(d, t) for d, t, _ in answers.values()], k)
-        return SearchResult(distances, tokens, {name: a[2] for name, a in answers.items()})
+            self._shards[info.key] = _shard_searchers(info, self.gpu)
+        answers = {s.name: ask(s) for s in self._shards[info.key]}
+        distances, tokens, ids = merge_topk([a[:3] for a in answers.values()], k)
+        return SearchResult(distances, tokens, ids, {name: a[3] for name, a in answers.items()})
 
     def release(self, keep: set[tuple[str, int]]) -> None:
         for key in set(self._shards) - keep:
@@ -74,14 +86,17 @@ class ShardActor:
         # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; FAISS should use the node's cores.
         faiss.omp_set_num_threads(threads or os.cpu_count())
         manifest = read_manifest(root)
-        (shard,) = [s for s in manifest.shards if s.name == shard_name]
-        self.searcher = ShardSearcher(Path(root), shard, use_gpu=use_gpu)
+        ((shard, first),) = [(s, f) for s, f in zip(manifest.shards, shard_first_ids(manifest)) if s.name == shard_name]
+        self.searcher = ShardSearcher(Path(root), shard, first, use_gpu=use_gpu)
 
     def describe(self) -> dict:
         return {"name": self.searcher.name, "entries": self.searcher.ntotal, "on_gpu": self.searcher.on_gpu, "pid": os.getpid()}
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None):
-        return _timed_search(self.searcher, queries, k, nprobe)
+        return _timed(self.searcher.search, queries, k, nprobe)
+
+    def lookup(self, queries: np.ndarray, ids: np.ndarray):
+        return _timed(self.searcher.lookup, queries, ids)
 
 
 def actor_name(info: DatastoreInfo, shard: str) -> str:
@@ -131,10 +146,16 @@ class RayRetriever:
         return self._actors[info.key]
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None) -> SearchResult:
+        return self._gather(info, k, lambda actor, q: actor.search.remote(q, k, nprobe), queries)
+
+    def lookup(self, info: DatastoreInfo, queries: np.ndarray, ids: np.ndarray) -> SearchResult:
+        return self._gather(info, ids.shape[1], lambda actor, q: actor.lookup.remote(q, ids), queries)
+
+    def _gather(self, info: DatastoreInfo, k: int, ask, queries: np.ndarray) -> SearchResult:
         import ray
 
         queries_ref = ray.put(np.ascontiguousarray(queries, dtype=np.float32))
-        refs = {shard: actor.search.remote(queries_ref, k, nprobe) for shard, actor in zip(info.shards, self._handles(info))}
+        refs = {shard: ask(actor, queries_ref) for shard, actor in zip(info.shards, self._handles(info))}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.knn.shard_timeout_s)
         answers, seconds, failed = [], {}, {}
         for shard, ref in refs.items():
@@ -143,17 +164,17 @@ class RayRetriever:
                 ray.cancel(ref)
                 continue
             try:
-                distances, tokens, took = ray.get(ref)
+                *answer, took = ray.get(ref)
             except ray.exceptions.RayError:
                 failed[shard] = "shard_error"
                 continue
-            answers.append((distances, tokens))
+            answers.append(answer)
             seconds[shard] = took
         if failed and (not answers or self.knn.on_shard_failure == "lm_only"):
             reason = next(iter(failed.values()))
             raise RetrievalError(f"datastore {info.name!r} v{info.version}: shards {failed}", reason)
-        distances, tokens = merge_topk(answers, k)
-        return SearchResult(distances, tokens, seconds, failed)
+        distances, tokens, ids = merge_topk(answers, k)
+        return SearchResult(distances, tokens, ids, seconds, failed)
 
     def release(self, keep: set[tuple[str, int]]) -> None:
         for key in set(self._actors) - keep:

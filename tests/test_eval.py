@@ -97,7 +97,7 @@ def test_knn_perplexity_through_vllm_equals_numpy_from_the_same_neighbours(run, 
         ]
     )
     root = datastores["flat"]
-    distances, tokens = merge_topk([s.search(keys, k, None) for s in open_shards(root, read_manifest(root))], k)
+    distances, tokens, _ = merge_topk([s.search(keys, k, None) for s in open_shards(root, read_manifest(root))], k)
     weights = np.exp(-(distances - distances[:, :1]) / tau)
     p_knn = (weights * (tokens == text.targets[:, None])).sum(1) / weights.sum(1)
     p = lam * p_knn + (1 - lam) * np.exp(run.arrays["log_p_lm"])

@@ -71,7 +71,7 @@ def test_two_shard_build_stores_every_pair_and_finds_its_own_values(corpus, tiny
     searchers = open_shards(out, manifest)
     keys = np.load(out / "shard-001/keys.npy").astype(np.float32)[:50]
     values = np.load(out / "shard-001/values.npy")[:50]
-    _, tokens = merge_topk([s.search(keys, 1) for s in searchers], 1)
+    _, tokens, _ = merge_topk([s.search(keys, 1) for s in searchers], 1)
     assert np.mean(tokens[:, 0] == values) > 0.95  # the rest are exact duplicate contexts
     assert not list(tmp_path.glob(".*partial"))
     # Document boundaries: each document's entries are its positions in corpus order, so within a
@@ -107,10 +107,19 @@ def test_shards_merged_equal_one_unsharded_index(corpus, tiny_model_dir, tmp_pat
     three = build_datastore([corpus], tmp_path / "three", tiny_model_dir, SMALL.model_copy(update={"shards": 3}), progress=False)
     queries = np.random.default_rng(0).normal(size=(64, one.dim)).astype(np.float32)
     (single,) = open_shards(tmp_path / "one", one)
-    expected_d, expected_t = single.search(queries, 16)
-    got_d, got_t = merge_topk([s.search(queries, 16) for s in open_shards(tmp_path / "three", three)], 16)
+    expected_d, expected_t, expected_ids = single.search(queries, 16)
+    got_d, got_t, got_ids = merge_topk([s.search(queries, 16) for s in open_shards(tmp_path / "three", three)], 16)
     np.testing.assert_allclose(got_d, expected_d, rtol=1e-5)
-    assert np.array_equal(got_t, expected_t)
+    assert np.array_equal(got_t, expected_t) and np.array_equal(got_ids, expected_ids)  # global entry ids
+    # Scoring given entries (pointer following) gives the distances and tokens search gave them.
+    for searcher in open_shards(tmp_path / "three", three):
+        d, t, ids = searcher.lookup(queries, expected_ids)
+        mine = (expected_ids >= searcher.first_id) & (expected_ids < searcher.first_id + searcher.ntotal)
+        for row in range(len(queries)):
+            n = int(mine[row].sum())
+            assert sorted(ids[row, :n]) == sorted(expected_ids[row][mine[row]]) and np.all(ids[row, n:] == -1)
+            np.testing.assert_allclose(d[row, :n], expected_d[row][mine[row]], rtol=1e-4)
+            assert np.array_equal(t[row, :n], expected_t[row][mine[row]])
 
 
 def test_ivfpq_build_trains_once_and_searches(corpus, tiny_model_dir, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -146,6 +147,58 @@ def test_skipped_rows_are_served_the_plain_lm_and_counted(knn_server, token_ids)
     assert counted == {"skipped_rows": skip.sum(), "queries": (~skip).sum()}
 
 
+def test_pointer_following_scores_the_successors_exactly(knn_server, token_ids, tiny_model_dir, tmp_path_factory):
+    """λ = 1: each served log p is log p_kNN. Replay the server's rule in NumPy over the stored keys:
+    the first sampling row searches all entries; each later one, whose previous neighbours with the
+    value it was fed leave at least `m` successors in their document, is scored against those only."""
+    import faiss
+
+    from knnlm_core.datastore import load_document_starts, read_manifest
+    from knnlm_core.keys import KeyEncoder
+    from knnlm_core.mixture import knn_log_prob
+
+    ids = token_ids["a"]
+    n, generate, m = prefix_length(ids), 12, 1
+    root = Path(knn_server.config["knn"]["datastores"]["a"])
+    manifest = read_manifest(root)
+    index = faiss.read_index(str(root / manifest.shards[0].index.path))
+    stored = faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d).copy()
+    values = np.load(root / manifest.shards[0].values.path)
+    starts = load_document_starts(root, manifest)
+
+    before = scrape_metrics(knn_server.base_url)
+    out = complete(knn_server, ids[:n], max_tokens=generate, knn_lambda=1.0, knn_k=K, knn_temperature=20.0, knn_pointers=m)
+    after = scrape_metrics(knn_server.base_url)
+    tokens = ids[:n] + out.token_ids
+    queries = KeyEncoder(tiny_model_dir, "ffn_input", "float32").encode([np.array(tokens[:-1])])[0][n - 1 :]
+
+    expected, followed, previous = [], 0, None
+    for step, (query, token) in enumerate(zip(queries, out.token_ids)):
+        distances = ((stored - query) ** 2).sum(1)
+        candidates = np.arange(len(stored))
+        if previous is not None:
+            fed = tokens[n - 1 + step]
+            right = previous[values[previous] == fed]
+            successors = right[right + 1 < starts[np.searchsorted(starts, right, side="right")]] + 1
+            if len(successors) >= m:
+                candidates, followed = successors, followed + 1
+        nearest = candidates[np.argsort(distances[candidates], kind="stable")[:K]]
+        padded = np.full(K, np.inf)
+        padded[: len(nearest)] = distances[nearest]
+        match = np.zeros((1, K), dtype=bool)
+        match[0, : len(nearest)] = values[nearest] == token
+        expected.append(knn_log_prob(padded[None], match, K, 20.0)[0])
+        previous = nearest
+    np.testing.assert_allclose(out.logprobs.token_logprobs, expected, atol=2e-3)
+    assert followed >= generate // 2  # a memorised text: pointers survive most steps
+    counted = metric_total(after, r'knnlm_pointer_rows_total\{datastore="a"') - metric_total(
+        before, r'knnlm_pointer_rows_total\{datastore="a"'
+    )
+    assert counted == followed
+    # And without the knob, the same request searches every step, with the same tokens.
+    assert complete(knn_server, ids[:n], max_tokens=generate, knn_lambda=1.0, knn_k=K, knn_temperature=20.0).token_ids == out.token_ids
+
+
 def test_adaptive_lambda_from_the_config_when_the_request_sets_none(knn_server, token_ids):
     ids = token_ids["b"]
     n = prefix_length(ids)
@@ -199,6 +252,7 @@ def test_chat_completions_accept_knn_xargs(knn_server):
         ({"knn_datastore": "legal"}, "knn_datastore"),
         ({"knn_lambda": "high"}, "knn_lambda"),
         ({"knn_skip_threshold": 2}, "knn_skip_threshold"),
+        ({"knn_pointers": -1}, "knn_pointers"),
         ({"knn_lamda": 0.9}, "knn_lamda"),  # a misspelt knob is refused, not silently ignored
     ],
 )

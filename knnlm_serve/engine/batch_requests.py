@@ -10,8 +10,9 @@ mixes versions for one request.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from knnlm_serve.engine.request_params import LM_ONLY, KnnParamError, KnnParams, parse_knn_params
@@ -21,10 +22,27 @@ logger = logging.getLogger("knnlm_serve")
 
 
 @dataclass
+class LastNeighbours:
+    """A request's neighbours at its last sampling row, for pointer following at the next one."""
+
+    ids: np.ndarray  # int64 global entry ids (-1: padding)
+    tokens: np.ndarray  # int32 their values
+    outputs: int  # how many tokens the request had generated then
+
+
+@dataclass
 class BatchRequest:
     extra_args: dict | None
+    output_tokens: list[int] = field(default_factory=list)  # vLLM's own list, appended as tokens are sampled
     params: KnnParams | None = None  # set at the request's first step
     pinned: DatastoreInfo | None = None  # the version serving then; None when kNN is off
+    last: LastNeighbours | None = None
+
+    def sampled_since(self, last: LastNeighbours | None) -> int | None:
+        """The token sampled from the row that had `last` as neighbours, if that was the previous sampling row."""
+        if last is None or len(self.output_tokens) != last.outputs + 1:
+            return None
+        return self.output_tokens[-1]
 
 
 class BatchRequests:
@@ -37,8 +55,8 @@ class BatchRequests:
             return
         for slot in update.removed:
             self._slots.pop(slot, None)
-        for slot, sampling_params, _, _ in update.added:
-            self._slots[slot] = BatchRequest(sampling_params.extra_args)
+        for slot, sampling_params, _, output_tokens in update.added:
+            self._slots[slot] = BatchRequest(sampling_params.extra_args, output_tokens)
         for a, b, direction in update.moved:
             if direction == MoveDirectionality.SWAP:
                 self._slots[a], self._slots[b] = self._slots.get(b), self._slots.get(a)
@@ -52,7 +70,7 @@ class BatchRequests:
         """The request in `slot`, its settings parsed and its version pinned if this is its first step."""
         request = self._slots.get(slot)
         if request is None:  # not announced by a BatchUpdate: serve it as plain vLLM would
-            return BatchRequest(None, LM_ONLY)
+            return BatchRequest(None, params=LM_ONLY)
         if request.params is None:
             try:
                 request.params = parse_knn_params(request.extra_args, runtime)

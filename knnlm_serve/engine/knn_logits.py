@@ -5,18 +5,23 @@ Per call (one per step for the sampling rows, one per request for prompt-logprob
   2. requests: each row's kNN settings and pinned datastore version (batch_requests);
   3. groups: rows of active requests, by pinned version;
   4. per group: the rows the LM is not confident on (knn_mixer.rows_to_search; the others keep
-     p_LM), their keys (capture), the k nearest from that version's shards and the
-     rows' λ, τ (knn_mixer.search, on the first tensor-parallel rank only, shared with the
-     others), then log(λ·p_kNN + (1−λ)·p_LM) in place of those rows' logits (knn_mixer.mix).
+     p_LM), their keys (capture), their neighbours and λ, τ (knn_mixer.search, on the first
+     tensor-parallel rank only, shared with the others): the k nearest from that version's
+     shards, or for a sampling row whose last step's neighbours predicted the token it was fed,
+     those neighbours' successors (pointer following); then log(λ·p_kNN + (1−λ)·p_LM) in
+     place of those rows' logits (knn_mixer.mix). Sampling rows keep their neighbours for the
+     next step.
 vLLM computes sample and prompt logprobs from what this returns, so clients see the mixture.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from knnlm_core.pointers import successors
 from knnlm_serve import metrics
-from knnlm_serve.engine.batch_requests import BatchRequests
+from knnlm_serve.engine.batch_requests import BatchRequest, BatchRequests, LastNeighbours
 from knnlm_serve.engine.capture import KeyCapture
 from knnlm_serve.engine.knn_mixer import KnnMixer
 from knnlm_serve.retrieval import make_retriever
@@ -34,7 +39,7 @@ class KnnLogits:
     def set_runtime(self, runtime: Runtime) -> None:
         """A new serving set from the registry; versions no running request is pinned to are released."""
         self.runtime = runtime
-        self.mixer.retriever.release(self.batch.pinned_versions() | {i.key for i in runtime.datastores.values()})
+        self.mixer.release(self.batch.pinned_versions() | {i.key for i in runtime.datastores.values()})
 
     def __call__(self, logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         rows = self.step.rows_of(hidden_states, self.capture.hidden)
@@ -42,10 +47,14 @@ class KnnLogits:
             return logits
         groups: dict[tuple[str, int], list[int]] = {}
         versions: dict[tuple[str, int], DatastoreInfo] = {}
-        params = []
+        params, requests, last = [], [], []
         for row, slot in enumerate(rows.slot.tolist()):
             request = self.batch.resolve(slot, self.runtime)
             params.append(request.params)
+            requests.append(request)
+            last.append(request.last)
+            if rows.sampling:
+                request.last = None  # kept only if this row finds neighbours
             if not request.params.active:
                 continue
             if request.pinned is None:  # unloaded between admission and the request's first step
@@ -64,7 +73,21 @@ class KnnLogits:
             token_index = torch.as_tensor(rows.token_index[group], device=hidden_states.device)
             keys = self.capture.keys(info.key_type, token_index, hidden_states[group])
             queries = keys.float().cpu().numpy()
-            found = self.step.on_first_rank(self.mixer.search, info, queries, [params[r] for r in group], self.runtime)
-            if found is not None:
-                self.mixer.mix(logits, group, found, info.name)
+            candidates = [self._pointers(requests[r], last[r], info) if rows.sampling else None for r in group]
+            found = self.step.on_first_rank(self.mixer.search, info, queries, [params[r] for r in group], self.runtime, candidates)
+            if found is None:
+                continue
+            self.mixer.mix(logits, group, found, info.name)
+            if rows.sampling:
+                for i, r in enumerate(group):
+                    requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))
         return logits
+
+    def _pointers(self, request: BatchRequest, last: LastNeighbours | None, info: DatastoreInfo) -> np.ndarray | None:
+        """Successors of the request's last neighbours that predicted the token it sampled from them."""
+        token = request.sampled_since(last)
+        starts = self.mixer.document_starts(info) if request.params.min_pointers else None
+        if token is None or starts is None:
+            return None
+        found = last.ids >= 0
+        return successors(last.ids[found], last.tokens[found], token, starts)

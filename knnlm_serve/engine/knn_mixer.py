@@ -1,15 +1,18 @@
 """For a group of logits rows of one datastore version: drop the rows the LM is confident on
-(adaptive retrieval), search for the rest, mix p_kNN into those rows, record metrics."""
+(adaptive retrieval), find the rest's neighbours (a search, or the successors of the last step's
+neighbours: pointer following), mix p_kNN into those rows, record metrics."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from knnlm_core.datastore import load_document_starts, read_manifest
 from knnlm_core.mixture import adaptive_lambda, interpolate, lm_top_prob
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KnnParams
@@ -25,6 +28,7 @@ class Neighbours:
 
     distances: np.ndarray  # float32 [n, k_max]
     tokens: np.ndarray  # int32 [n, k_max]
+    ids: np.ndarray  # int64 [n, k_max] global entry ids
     lambdas: np.ndarray  # float32 [n]
     temperatures: np.ndarray  # float32 [n]
 
@@ -32,6 +36,17 @@ class Neighbours:
 class KnnMixer:
     def __init__(self, retriever):
         self.retriever = retriever
+        self._document_starts: dict[tuple[str, int], np.ndarray | None] = {}
+
+    def document_starts(self, info: DatastoreInfo) -> np.ndarray | None:
+        """The version's documents.npy (None: not recorded, no pointer following), loaded once."""
+        if info.key not in self._document_starts:
+            self._document_starts[info.key] = load_document_starts(Path(info.path), read_manifest(info.path))
+        return self._document_starts[info.key]
+
+    def release(self, keep: set[tuple[str, int]]) -> None:
+        self.retriever.release(keep)
+        self._document_starts = {key: v for key, v in self._document_starts.items() if key in keep}
 
     @staticmethod
     def rows_to_search(logits: torch.Tensor, rows: list[int], params: list[KnnParams], datastore: str) -> list[int]:
@@ -44,35 +59,65 @@ class KnnMixer:
         metrics.SKIPPED_ROWS.labels(datastore).inc(len(rows) - len(kept))
         return kept
 
-    def search(self, info: DatastoreInfo, keys: np.ndarray, params: list[KnnParams], runtime: Runtime) -> Neighbours | None:
-        """The rows' neighbours, or None when no shard answered (the rows are then served LM-only)."""
+    def search(
+        self, info: DatastoreInfo, keys: np.ndarray, params: list[KnnParams], runtime: Runtime, candidates: list[np.ndarray | None]
+    ) -> Neighbours | None:
+        """The rows' neighbours, or None when no shard answered (the rows are then served LM-only).
+
+        A row with at least its `min_pointers` candidates (pointer following) is scored against
+        those entries only; the others are searched."""
         ks = np.array([p.k for p in params])
+        k = int(ks.max())
+        follow = np.array([c is not None and 0 < p.min_pointers <= len(c) for c, p in zip(candidates, params)], dtype=bool)
+        distances = np.full((len(params), k), np.inf, dtype=np.float32)
+        tokens = np.full((len(params), k), -1, dtype=np.int32)
+        ids = np.full((len(params), k), -1, dtype=np.int64)
         start = time.perf_counter()
         try:
-            result = self.retriever.search(info, keys, int(ks.max()), runtime.knn.nprobe or info.nprobe)
+            for rows, result in self._find(info, keys, k, follow, candidates, runtime):
+                width = min(k, result.distances.shape[1])
+                distances[rows, :width], tokens[rows, :width], ids[rows, :width] = (
+                    result.distances[:, :width],
+                    result.tokens[:, :width],
+                    result.ids[:, :width],
+                )
+                for shard, seconds in result.shard_seconds.items():
+                    metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
+                if result.shard_seconds:
+                    metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
+                for reason in result.failed_shards.values():
+                    metrics.FALLBACKS.labels(info.name, reason).inc(len(rows))
         except RetrievalError as e:
             metrics.FALLBACKS.labels(info.name, e.reason).inc(len(params))
             logger.warning("serving %d row(s) LM-only: %s", len(params), e)
             return None
         metrics.RETRIEVAL_SECONDS.labels(info.name).observe(time.perf_counter() - start)
         metrics.RETRIEVAL_STEPS.labels(info.name).inc()
-        metrics.QUERIES.labels(info.name).inc(len(params))
+        metrics.QUERIES.labels(info.name).inc(int((~follow).sum()))
+        metrics.POINTER_ROWS.labels(info.name).inc(int(follow.sum()))
         metrics.NEIGHBOURS.labels(info.name).inc(int(ks.sum()))
-        for shard, seconds in result.shard_seconds.items():
-            metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
-        if result.shard_seconds:
-            metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
-        for reason in result.failed_shards.values():
-            metrics.FALLBACKS.labels(info.name, reason).inc(len(params))
-        distances, tokens = result.distances, result.tokens
-        beyond_k = np.arange(distances.shape[1])[None, :] >= ks[:, None]  # rows that asked for fewer
-        distances[beyond_k], tokens[beyond_k] = np.inf, -1
+        beyond_k = np.arange(k)[None, :] >= ks[:, None]  # rows that asked for fewer
+        distances[beyond_k], tokens[beyond_k], ids[beyond_k] = np.inf, -1, -1
         return Neighbours(
             distances,
             tokens,
+            ids,
             self._lambdas(params, distances[:, 0]),
             np.array([p.temperature for p in params], dtype=np.float32),
         )
+
+    def _find(self, info: DatastoreInfo, keys: np.ndarray, k: int, follow: np.ndarray, candidates, runtime: Runtime):
+        """(rows, SearchResult) for the searched rows, then for the rows scored against their candidates."""
+        if not follow.all():
+            rows = np.flatnonzero(~follow)
+            yield rows, self.retriever.search(info, keys[rows], k, runtime.knn.nprobe or info.nprobe)
+        if follow.any():
+            rows = np.flatnonzero(follow)
+            width = max(len(candidates[r]) for r in rows)
+            padded = np.full((len(rows), width), -1, dtype=np.int64)
+            for i, r in enumerate(rows):
+                padded[i, : len(candidates[r])] = candidates[r]
+            yield rows, self.retriever.lookup(info, keys[rows], padded)
 
     @staticmethod
     def _lambdas(params: list[KnnParams], nearest: np.ndarray) -> np.ndarray:

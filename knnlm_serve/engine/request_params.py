@@ -7,6 +7,9 @@
     knn_temperature  > 0          softmax temperature over negative distances
     knn_skip_threshold [0, 1]     skip the search (serve p_LM) where the LM's top probability
                                   exceeds this; 1 = search every step
+    knn_pointers     0..max_k     follow pointers: a decode step uses the successors of the last
+                                  step's neighbours that predicted its token, without a search,
+                                  when at least this many survive; 0 = always search
 
 A knob the request leaves out takes the datastore's default (runtime.mix_defaults: config
 override, else the datastore's calibration, else the config's default; λ may be adaptive).
@@ -23,7 +26,7 @@ from knnlm_core.config import AdaptiveLambda
 from knnlm_core.errors import KnnlmError
 from knnlm_serve.runtime import Runtime, mix_defaults
 
-KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature", "knn_skip_threshold")
+KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature", "knn_skip_threshold", "knn_pointers")
 
 
 class KnnParamError(KnnlmError):
@@ -41,6 +44,7 @@ class KnnParams:
     temperature: float
     adaptive_lambda: AdaptiveLambda | None = None
     skip_threshold: float = 1.0
+    min_pointers: int = 0
 
     @property
     def active(self) -> bool:
@@ -74,7 +78,10 @@ def parse_knn_params(extra_args: dict | None, runtime: Runtime) -> KnnParams:
     if temperature == 0:
         raise KnnParamError("knn_temperature", temperature, "a number > 0")
     skip = _number("knn_skip_threshold", args.get("knn_skip_threshold", defaults.skip_threshold), 0.0, 1.0, "a number in [0, 1]")
-    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature, adaptive, skip)
+    pointers = args.get("knn_pointers", config.min_pointers)
+    if isinstance(pointers, bool) or not isinstance(pointers, int) or not 0 <= pointers <= config.max_k:
+        raise KnnParamError("knn_pointers", pointers, f"an integer in [0, {config.max_k}] (0: always search)")
+    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature, adaptive, skip, pointers)
 
 
 def _bool(value) -> bool:

@@ -16,13 +16,14 @@ import numpy as np
 class LogitsRows:
     token_index: np.ndarray  # int64 [n]: the row's token in the step's flattened batch
     slot: np.ndarray  # int64 [n]: the row's request in the persistent batch
+    sampling: bool  # one row per request, the one its next token is sampled from
 
 
 def sampling_rows(query_start_loc: np.ndarray, num_reqs: int) -> LogitsRows:
-    return LogitsRows(query_start_loc[1 : num_reqs + 1].astype(np.int64) - 1, np.arange(num_reqs, dtype=np.int64))
+    return LogitsRows(query_start_loc[1 : num_reqs + 1].astype(np.int64) - 1, np.arange(num_reqs, dtype=np.int64), True)
 
 
 def prompt_rows(query_start_loc: np.ndarray, num_reqs: int, first_token: int, count: int) -> LogitsRows:
     token_index = np.arange(first_token, first_token + count, dtype=np.int64)
     slot = np.searchsorted(query_start_loc[1 : num_reqs + 1], token_index, side="right")
-    return LogitsRows(token_index, slot.astype(np.int64))
+    return LogitsRows(token_index, slot.astype(np.int64), False)

@@ -57,7 +57,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
             keys[v.key_type] = encode_keys(model_dir, text, v.key_type, config)
             timings[f"keys_{v.key_type}_s"] = time.monotonic() - t0
         t0 = time.monotonic()
-        distances, tokens = find_neighbours(Path(checked[v.datastore][0].path), manifests[v.datastore], v, keys[v.key_type], kmax, config)
+        distances, tokens, _ = find_neighbours(Path(checked[v.datastore][0].path), manifests[v.datastore], v, keys[v.key_type], kmax, config)
         search_s = time.monotonic() - t0
         neighbours[v] = distances, tokens == text.targets[:, None]
         result = sweep(log_p_lm, *neighbours[v], tune, config)

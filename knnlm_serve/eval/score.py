@@ -120,7 +120,7 @@ def plan_variants(manifests: dict[str, Manifest], config: EvalConfig) -> list[Va
 
 
 def find_neighbours(root: Path, manifest: Manifest, variant: Variant, keys: np.ndarray, k: int, config: EvalConfig):
-    """The merged top-k (distances [T, k], tokens [T, k]) of every query under `variant`."""
+    """The merged top-k (distances, tokens, entry ids [T, k]) of every query under `variant`."""
     searchers = open_shards(root, manifest, use_gpu=None)
     rng = np.random.default_rng(config.seed)
     shards = []
@@ -130,5 +130,5 @@ def find_neighbours(root: Path, manifest: Manifest, variant: Variant, keys: np.n
             index = faiss.IndexFlatL2(s.dim)
             index.add(np.load(root / entry.keys.path, mmap_mode="r").astype(np.float32))
         keep = rng.random(s.ntotal) < variant.fraction if variant.fraction < 1 else None
-        shards.append((index, s.values, keep))
+        shards.append((index, s.values, keep, s.first_id))
     return search_many(shards, keys, k, variant.nprobe, progress=config.progress, desc=f"search {variant.label}")

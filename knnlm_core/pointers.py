@@ -1,0 +1,67 @@
+"""Pointer following (after RetoMaton, Alon et al. 2022): reuse the last step's neighbours instead of searching.
+
+Entries are stored in corpus order, so entry i's successor is entry i + 1 when both lie in one
+document (documents.npy). After a step whose neighbours were N and whose token turned out to be
+x, the neighbours in N whose value is x predicted right; their successors are where the datastore
+goes on, and so candidates for the next step's neighbours. When at least `min_pointers` survive,
+the next step scores them exactly against its own query and takes p_kNN from them, with no
+search; otherwise it searches as usual.
+
+Plain functions over explicit arrays: the server follows pointers per request and step, the
+evaluator replays them over a whole text with the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+
+def successors(ids: np.ndarray, values: np.ndarray, token: int, document_starts: np.ndarray) -> np.ndarray:
+    """The successors (sorted global entry ids) of the neighbours `ids` whose value (`values`,
+    aligned with `ids`) is `token`, where the successor lies in the same document."""
+    right = ids[values == token]
+    document_end = document_starts[np.searchsorted(document_starts, right, side="right")]
+    return np.unique(right[right + 1 < document_end] + 1)
+
+
+def nearest_of(query: np.ndarray, candidate_keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(squared L2 distances, positions into the candidates) of the k nearest candidates, ascending."""
+    distances = np.sum((candidate_keys.astype(np.float32) - query.astype(np.float32)[None, :]) ** 2, axis=1)
+    order = np.argsort(distances, kind="stable")[:k]
+    return distances[order], order
+
+
+def replay(
+    search_ids: np.ndarray,
+    search_distances: np.ndarray,
+    targets: np.ndarray,
+    continues: np.ndarray,
+    queries: np.ndarray,
+    values_of: Callable[[np.ndarray], np.ndarray],
+    keys_of: Callable[[np.ndarray], np.ndarray],
+    document_starts: np.ndarray,
+    min_pointers: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pointer following over a scored text, teacher-forced: position t's token is targets[t].
+
+    `search_ids` / `search_distances` [T, k] are every position's own search; `continues[t]` says
+    position t directly follows t − 1 in the same text document. Returns the neighbours each position
+    used (ids, distances [T, k], padded with -1 / +inf) and whether it followed pointers [T]."""
+    n, k = search_ids.shape
+    ids = np.full((n, k), -1, dtype=np.int64)
+    distances = np.full((n, k), np.inf, dtype=np.float32)
+    followed = np.zeros(n, dtype=bool)
+    for t in range(n):
+        candidates = np.zeros(0, dtype=np.int64)
+        if t > 0 and continues[t]:
+            previous = ids[t - 1][ids[t - 1] >= 0]
+            candidates = successors(previous, values_of(previous), int(targets[t - 1]), document_starts)
+        if len(candidates) >= max(min_pointers, 1):
+            d, order = nearest_of(queries[t], keys_of(candidates), k)
+            ids[t, : len(order)], distances[t, : len(order)] = candidates[order], d
+            followed[t] = True
+        else:
+            ids[t], distances[t] = search_ids[t], search_distances[t]
+    return ids, distances, followed
