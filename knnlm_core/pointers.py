@@ -26,42 +26,31 @@ def successors(ids: np.ndarray, values: np.ndarray, token: int, document_starts:
     return np.unique(right[right + 1 < document_end] + 1)
 
 
-def nearest_of(query: np.ndarray, candidate_keys: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(squared L2 distances, positions into the candidates) of the k nearest candidates, ascending."""
-    distances = np.sum((candidate_keys.astype(np.float32) - query.astype(np.float32)[None, :]) ** 2, axis=1)
-    order = np.argsort(distances, kind="stable")[:k]
-    return distances[order], order
-
-
 def replay(
     search_ids: np.ndarray,
     search_distances: np.ndarray,
     targets: np.ndarray,
     continues: np.ndarray,
-    queries: np.ndarray,
-    values_of: Callable[[np.ndarray], np.ndarray],
-    keys_of: Callable[[np.ndarray], np.ndarray],
+    values: np.ndarray,
+    lookup: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]],
     document_starts: np.ndarray,
     min_pointers: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pointer following over a scored text, teacher-forced: position t's token is targets[t].
 
     `search_ids` / `search_distances` [T, k] are every position's own search; `continues[t]` says
-    position t directly follows t − 1 in the same text document. Returns the neighbours each position
-    used (ids, distances [T, k], padded with -1 / +inf) and whether it followed pointers [T]."""
-    n, k = search_ids.shape
-    ids = np.full((n, k), -1, dtype=np.int64)
-    distances = np.full((n, k), np.inf, dtype=np.float32)
-    followed = np.zeros(n, dtype=bool)
-    for t in range(n):
-        candidates = np.zeros(0, dtype=np.int64)
-        if t > 0 and continues[t]:
-            previous = ids[t - 1][ids[t - 1] >= 0]
-            candidates = successors(previous, values_of(previous), int(targets[t - 1]), document_starts)
+    position t directly follows t − 1 in the same document; `values` [entries] are the datastore's;
+    `lookup(t, candidates)` scores candidate entries against position t's query, as the server
+    does: (distances, ids) [k], nearest first, padded. Returns the neighbours each position used
+    (distances, ids [T, k]) and whether it followed pointers instead of searching [T]."""
+    distances, ids = search_distances.copy(), search_ids.copy()
+    followed = np.zeros(len(ids), dtype=bool)
+    for t in range(1, len(ids)):
+        if not continues[t]:
+            continue
+        previous = ids[t - 1][ids[t - 1] >= 0]
+        candidates = successors(previous, values[previous], int(targets[t - 1]), document_starts)
         if len(candidates) >= max(min_pointers, 1):
-            d, order = nearest_of(queries[t], keys_of(candidates), k)
-            ids[t, : len(order)], distances[t, : len(order)] = candidates[order], d
+            distances[t], ids[t] = lookup(t, candidates)
             followed[t] = True
-        else:
-            ids[t], distances[t] = search_ids[t], search_distances[t]
-    return ids, distances, followed
+    return distances, ids, followed

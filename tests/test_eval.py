@@ -134,9 +134,13 @@ def test_sweep_tunes_on_the_tuning_part_only_and_writes_the_report(run, tmp_path
         "ppl_vs_temperature.png",
         "ppl_vs_fraction.png",
         "variants.png",
-        "ppl_vs_searches_skipped.png",
+        "ppl_vs_searches_saved.png",
         "tokens.npz",
     }
+    pointers = run.summary["pointers"]["curve"]  # the store holds half the text: pointers survive there
+    saved = [c["report_saved"] for c in pointers]
+    assert saved == sorted(saved, reverse=True) and saved[0] > 0.2
+    assert all(np.isfinite(c["report_ppl"]) for c in pointers)
     skip = run.summary["adaptive_retrieval"]
     assert skip["curve"][0]["report_skipped"] == 0 and skip["curve"][-1]["tune_skipped"] >= 0.9
     assert skip["ppl"] == pytest.approx(next(c["report_ppl"] for c in skip["curve"] if c["threshold"] == skip["threshold"]))

@@ -52,6 +52,14 @@ def markdown_table(summary: dict) -> str:
         f"{ar['skipped']:.0%} of report searches skipped, report ppl {ar['ppl']:.3f} vs {ar['full_ppl']:.3f} "
         f"with every search ({100 * (ar['ppl'] / ar['full_ppl'] - 1):+.2f}%)."
     )
+    if summary["pointers"]:
+        pt = summary["pointers"]
+        rows += ["", f"Pointer following on the served setting (every search: report ppl {pt['full_ppl']:.3f}):", ""]
+        rows += ["| min pointers | tune saved | tune ppl | report saved | report ppl |", "|---|---|---|---|---|"]
+        rows += [
+            f"| {c['min_pointers']} | {c['tune_saved']:.0%} | {c['tune_ppl']:.3f} | {c['report_saved']:.0%} | {c['report_ppl']:.3f} |"
+            for c in pt["curve"]
+        ]
     t = summary["text"]
     return "\n".join(rows) + (
         f"\n\nText: {t['tokens']:,} tokens, {t['scored_tokens']:,} scored in {t['windows']} windows "
@@ -133,10 +141,19 @@ def plot_results(summary: dict, out_dir: Path) -> list[Path]:
         [c["report_ppl"] for c in ar["curve"]],
         marker="o",
         ms=3,
-        label="skip where p_LM(top) > t",
+        label="adaptive retrieval: skip where p_LM(top) > t",
     )
     ax.plot([ar["skipped"]], [ar["ppl"]], "r*", ms=12, label=f"fitted t = {ar['threshold']:.3g}")
-    save(fig, ax, "ppl_vs_searches_skipped.png", "Adaptive retrieval: perplexity vs searches skipped", "share of searches skipped")
+    if summary["pointers"]:
+        curve = summary["pointers"]["curve"]
+        ax.plot(
+            [c["report_saved"] for c in curve],
+            [c["report_ppl"] for c in curve],
+            marker="s",
+            ms=3,
+            label=f"pointer following (min pointers {curve[0]['min_pointers']}…{curve[-1]['min_pointers']})",
+        )
+    save(fig, ax, "ppl_vs_searches_saved.png", "Perplexity vs share of searches saved", "share of searches saved")
 
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(variants) + 1.5))
     bars = ax.barh([v["label"] for v in variants], [v["best"]["report_ppl"] for v in variants])

@@ -11,8 +11,11 @@ import numpy as np
 
 from knnlm_core.calibration import fit_adaptive_lambda, fit_skip, perplexity, served_with_skips, sweep
 from knnlm_core.config import EvalConfig, KnnConfig
+from knnlm_core.datastore import load_document_starts
 from knnlm_core.mixture import adaptive_lambda, knn_log_prob, mixture_log_prob
 from knnlm_core.model_dir import model_fingerprint
+from knnlm_core.pointers import replay
+from knnlm_core.search import merge_topk, open_shards
 from knnlm_serve.eval.score import Variant, encode_keys, find_neighbours, open_engine, plan_variants, score_with_vllm
 from knnlm_serve.eval.text import EvalError, load_eval_text
 from knnlm_serve.runtime import DatastoreInfo, ServedModel, check_datastore, mix_defaults
@@ -57,7 +60,11 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
             keys[v.key_type] = encode_keys(model_dir, text, v.key_type, config)
             timings[f"keys_{v.key_type}_s"] = time.monotonic() - t0
         t0 = time.monotonic()
-        distances, tokens, _ = find_neighbours(Path(checked[v.datastore][0].path), manifests[v.datastore], v, keys[v.key_type], kmax, config)
+        distances, tokens, ids = find_neighbours(
+            Path(checked[v.datastore][0].path), manifests[v.datastore], v, keys[v.key_type], kmax, config
+        )
+        if v == variants[0]:
+            served_ids = ids  # pointer following replays from the served variant's own searches
         search_s = time.monotonic() - t0
         neighbours[v] = distances, tokens == text.targets[:, None]
         result = sweep(log_p_lm, *neighbours[v], tune, config)
@@ -85,6 +92,11 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     served, sb = variants[0], results[0]["best"]
     sd, sm = neighbours[served]
     log_p_full = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
+    t0 = time.monotonic()
+    pointers = _pointer_curve(
+        Path(checked[main][0].path), manifests[main], text, sd, served_ids, keys[served.key_type], sb, log_p_lm, log_p_full, tune
+    )
+    timings["pointers_s"] = time.monotonic() - t0
     skip = fit_skip(log_p_lm, log_p_full, top_log_p, tune, config.skip_tolerance)
     t0 = time.monotonic()
     xargs = {
@@ -132,6 +144,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
             "max_abs_logprob_diff": float(np.max(np.abs(log_p_served - log_p_numpy))),
         },
         "adaptive_retrieval": {"variant": served.label, **{k: sb[k] for k in ("k", "temperature", "lambda")}, **skip},
+        "pointers": pointers and {"variant": served.label, **{k: sb[k] for k in ("k", "temperature", "lambda")}, **pointers},
         "variants": results,
         "config": config.model_dump(mode="json"),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
@@ -146,6 +159,46 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
         "d_nearest": sd[:, 0],
     }
     return EvalRun(_plain(summary), arrays)
+
+
+POINTER_MINIMUMS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _pointer_curve(root: Path, manifest, text, distances, ids, queries, setting: dict, log_p_lm, log_p_full, tune) -> dict | None:
+    """Pointer following replayed over the text at the served setting, for each minimum number of
+    surviving pointers: the share of searches it saves and the perplexity, vs every step searched.
+    None for a datastore without document boundaries."""
+    starts = load_document_starts(root, manifest)
+    if starts is None:
+        return None
+    searchers = open_shards(root, manifest)
+    values = np.concatenate([np.asarray(s.values) for s in searchers])
+    positions = np.concatenate([np.arange(k0, k1) for _, k0, k1 in text.plan.windows])
+    continues = np.r_[False, positions[1:] == positions[:-1] + 1]
+    width = distances.shape[1]
+
+    def lookup(t: int, candidates: np.ndarray):  # the server's path: every shard scores its candidates, merged
+        d, _, i = merge_topk([s.lookup(queries[t : t + 1], candidates[None]) for s in searchers], width)
+        out_d, out_i = np.full(width, np.inf, dtype=np.float32), np.full(width, -1, dtype=np.int64)
+        out_d[: d.shape[1]], out_i[: i.shape[1]] = d[0], i[0]
+        return out_d, out_i
+
+    curve = []
+    for minimum in POINTER_MINIMUMS:
+        d, i, followed = replay(ids, distances, text.targets, continues, values, lookup, starts, minimum)
+        match = (i >= 0) & (values[np.maximum(i, 0)] == text.targets[:, None])
+        log_p_knn = knn_log_prob(d, match, setting["k"], setting["temperature"])
+        mix = mixture_log_prob(log_p_lm, log_p_knn, setting["lambda"], np.isfinite(d[:, 0]))
+        curve.append(
+            {
+                "min_pointers": minimum,
+                "tune_saved": float(followed[tune].mean()),
+                "tune_ppl": perplexity(mix[tune]),
+                "report_saved": float(followed[~tune].mean()),
+                "report_ppl": perplexity(mix[~tune]),
+            }
+        )
+    return {"full_ppl": perplexity(log_p_full[~tune]), "curve": curve}
 
 
 def _served_defaults(info: DatastoreInfo, log_p_lm, top_log_p, distances, match, tune, best: dict) -> dict:
