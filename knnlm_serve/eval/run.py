@@ -161,7 +161,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     return EvalRun(_plain(summary), arrays)
 
 
-POINTER_MINIMUMS = (1, 2, 4, 8, 16, 32, 64)
+POINTER_MINIMUMS = (1, 4, 16, 64, 256)
 
 
 def _pointer_curve(root: Path, manifest, text, distances, ids, queries, setting: dict, log_p_lm, log_p_full, tune) -> dict | None:
