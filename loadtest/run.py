@@ -127,6 +127,12 @@ def run_benchmark(
         "knn_slowest_shard_seconds": delta(r"knnlm_slowest_shard_search_seconds_sum"),
         "knn_interpolation_seconds": delta(r"knnlm_interpolation_seconds_sum"),
         "knn_fallbacks": delta(r"knnlm_fallbacks_total"),
+        # rows of kNN requests: searched, served p_LM (adaptive retrieval), or from pointers
+        "rows": {
+            "searched": delta(r"knnlm_queries_total"),
+            "skipped": delta(r"knnlm_skipped_rows_total"),
+            "pointers": delta(r"knnlm_pointer_rows_total"),
+        },
     }
     knn_seconds = server["knn_retrieval_seconds"] + server["knn_interpolation_seconds"]
     server["retrieval_share_of_wall"] = knn_seconds / result["duration"]
@@ -281,8 +287,8 @@ def markdown(report: dict) -> str:
         f"Server: {report['server']}; prompts: {report['prompt_source']}, {report['prompt_words']} words, "
         f"{report['output_len']} output tokens, streaming.",
         "",
-        "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | kNN share of wall | kNN ms/step: slowest shard / Ray+merge / mix | server counters match |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | kNN share of wall | kNN ms/step: slowest shard / Ray+merge / mix | rows searched / skipped / pointers | server counters match |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in report["runs"]:
         s = r["server"]
@@ -297,6 +303,8 @@ def markdown(report: dict) -> str:
             f"{r['p50_itl_ms']:.0f}/{r['p99_itl_ms']:.0f} | {r['p50_e2el_ms']:.0f}/{r['p99_e2el_ms']:.0f} | {r['failed']} | "
             f"{s['retrieval_share_of_wall']:.1%} | "
             + (" / ".join(f"{v:.1f}" for v in s["ms_per_step"].values()) if s["knn_steps"] else "-")
+            + " | "
+            + (" / ".join(f"{v:.0f}" for v in s["rows"].values()) if r["knn"] else "-")
             + f" | {'yes' if s['requests_match_1pct'] and s['tokens_match_1pct'] else 'NO'} |"
         )
     lines += [
@@ -327,6 +335,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson open-loop request rate (req/s); 0 = skip")
     parser.add_argument("--prompts-per-level", type=int, default=2, help="requests per run = this x concurrency (min 8)")
+    parser.add_argument(
+        "--knn-xargs", type=json.loads, default={}, help="extra vllm_xargs for the kNN-on runs, e.g. '{\"knn_pointers\": 64}'"
+    )
     parser.add_argument("--pairs", type=int, default=3, help="interleaved off/on pairs per level, after one warm-up pair (median reported)")
     parser.add_argument("--prompt-words", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=32)
@@ -367,7 +378,7 @@ def main() -> None:
 
         def run(label, knn, concurrency=None, rate=None, prompts=None, datastore=None):
             n = prompts or max(8, args.prompts_per_level * (concurrency or 8))
-            xargs = {"knn": knn, **({"knn_datastore": datastore} if datastore else {})}
+            xargs = {"knn": knn, **({"knn_datastore": datastore} if datastore else {}), **(args.knn_xargs if knn else {})}
             print(f"loadtest: {label}: {xargs}, concurrency {concurrency}, rate {rate}, {n} requests", flush=True)
             result = run_benchmark(
                 base_url,
