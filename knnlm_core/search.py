@@ -35,7 +35,8 @@ class ShardSearcher:
         if len(self.values) != index.ntotal:
             raise DatastoreError(f"shard {shard.name}: {index.ntotal} keys but {len(self.values)} values; rebuild the datastore")
         self.on_gpu = gpu_available() if use_gpu is None else use_gpu
-        if self.on_gpu:
+        self.exact = ExactKeys.of(index)  # flat shards: searched as a torch matmul + top-k
+        if self.on_gpu and self.exact is None:
             self._gpu_resources = faiss.StandardGpuResources()  # must outlive the GPU index
             index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
         self.index = index
@@ -44,6 +45,10 @@ class ShardSearcher:
         self._reconstructs = None
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.exact is not None:
+            distances, ids = self.exact.search(queries, k)
+            tokens = np.where(ids >= 0, self.values[np.maximum(ids, 0)], -1).astype(np.int32)
+            return _pad(distances, tokens, np.where(ids >= 0, ids + self.first_id, -1), k)
         return search_index(self.index, self.values, queries, k, nprobe, first_id=self.first_id)
 
     def lookup(self, queries: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -63,6 +68,37 @@ class ShardSearcher:
         order = np.argsort(distances, axis=1, kind="stable")
         tokens = np.where(found, self.values[np.maximum(local, 0)], -1).astype(np.int32)
         return tuple(np.take_along_axis(a, order, axis=1) for a in (distances, tokens, np.where(found, ids, -1)))
+
+
+class ExactKeys:
+    """A flat shard's keys as a torch matrix: exact top-k as one matmul and `torch.topk`.
+
+    At the k kNN-LM uses (hundreds to thousands) FAISS's flat search spends most of its time in
+    top-k selection, not distances: measured here (2 threads, 576-d, batch 32, k 1024) 27 ms vs 18
+    for 17k keys and 180 vs 77 for 120k, same neighbours. On CPU the matrix is a view of the FAISS
+    index's own storage (no copy); on a GPU it is copied there once."""
+
+    def __init__(self, keys: np.ndarray):
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.keys = torch.from_numpy(keys).to(device)
+        self.norms = (self.keys * self.keys).sum(dim=1)
+
+    @classmethod
+    def of(cls, index) -> ExactKeys | None:
+        if type(index) is not faiss.IndexFlatL2 or index.ntotal == 0:
+            return None
+        return cls(faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d))
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(squared L2 distances, ids) [n, min(k, entries)], nearest first, as FAISS's IndexFlatL2."""
+        import torch
+
+        q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(self.keys.device)
+        distances = torch.addmm(self.norms, q, self.keys.T, alpha=-2).add_((q * q).sum(dim=1, keepdim=True))
+        values, ids = torch.topk(distances, min(k, len(self.keys)), dim=1, largest=False, sorted=True)
+        return values.clamp_(min=0).cpu().numpy(), ids.cpu().numpy().astype(np.int64)
 
 
 def search_index(

@@ -83,8 +83,11 @@ class ShardActor:
     def __init__(self, root: str, shard_name: str, use_gpu: bool | None, threads: int | None):
         import faiss
 
-        # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; FAISS should use the node's cores.
+        # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the search should use the node's cores.
+        import torch
+
         faiss.omp_set_num_threads(threads or os.cpu_count())
+        torch.set_num_threads(threads or os.cpu_count())  # exact (flat) shards search with torch
         manifest = read_manifest(root)
         ((shard, first),) = [(s, f) for s, f in zip(manifest.shards, shard_first_ids(manifest)) if s.name == shard_name]
         self.searcher = ShardSearcher(Path(root), shard, first, use_gpu=use_gpu)
