@@ -104,6 +104,9 @@ def build_datastore(
         keys = np.load(work / "keys.npy", mmap_mode="r")
         stats = {"context_length": config.context_length, "stride": config.stride, "encode_tokens_per_s": encode_rate}
         manifest = _index_keys(work, keys, window_values(tokens, plan), model, config.key_type, config, corpus, stats, started, progress)
+        # Each document of n tokens gives n - 1 entries (every position but its last), in corpus order.
+        np.save(work / "documents.npy", np.concatenate([[0], np.cumsum(np.maximum(np.diff(offsets), 1) - 1)]).astype(np.int64))
+        manifest = manifest.model_copy(update={"documents": file_entry(work, work / "documents.npy")})
         calibration_started = time.monotonic()
         if heldout is not None:
             calibration = calibrate_on(
@@ -129,15 +132,7 @@ def build_datastore(
                 "seconds": round(time.monotonic() - started, 2),
             }
         )
-        # Each document of n tokens gives n - 1 entries (every position but its last), in corpus order.
-        np.save(work / "documents.npy", np.concatenate([[0], np.cumsum(np.maximum(np.diff(offsets), 1) - 1)]).astype(np.int64))
-        update = {
-            "calibration": calibration,
-            "calibration_note": note,
-            "build": build,
-            "documents": file_entry(work, work / "documents.npy"),
-        }
-        write_manifest(work, manifest.model_copy(update=update))
+        write_manifest(work, manifest.model_copy(update={"calibration": calibration, "calibration_note": note, "build": build}))
     return _publish(work, output, progress)
 
 

@@ -16,13 +16,24 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_core.calibration import MIN_HELDOUT_TOKENS, fit_calibration, split_heldout
+from knnlm_core.calibration import (
+    MIN_HELDOUT_TOKENS,
+    fit_calibration,
+    fit_pointers,
+    fitting_half,
+    perplexity,
+    pointer_curve,
+    served_log_prob,
+    served_with_skips,
+    split_heldout,
+)
 from knnlm_core.config import BuildConfig, SweepGrid
 from knnlm_core.corpus import find_files, tokenize_files
-from knnlm_core.datastore import Calibration, Manifest, check_compatible, read_manifest, write_manifest
+from knnlm_core.datastore import Calibration, Manifest, check_compatible, load_document_starts, read_manifest, write_manifest
 from knnlm_core.errors import CorpusError
 from knnlm_core.keys import KeyEncoder, encode_windows
 from knnlm_core.model_dir import model_fingerprint
+from knnlm_core.pointers import consecutive, shard_lookup
 from knnlm_core.search import open_shards, search_many
 from knnlm_core.windows import plan_windows, window_values
 
@@ -49,9 +60,14 @@ def calibrate_on(
     )
     del encoder
     targets = window_values(tokens, plan)
-    shards = [(s.index, s.values, None, s.first_id) for s in open_shards(root, manifest)]
-    distances, found, _ = search_many(shards, keys, max(SweepGrid().ks), manifest.index.nprobe)
+    searchers = open_shards(root, manifest)
+    shards = [(s.index, s.values, None, s.first_id) for s in searchers]
+    distances, found, ids = search_many(shards, keys, max(SweepGrid().ks), manifest.index.nprobe)
     fit = fit_calibration(log_p_lm, top_log_p, distances, found == targets[:, None])
+    starts = load_document_starts(root, manifest)
+    if starts is not None:
+        positions = np.concatenate([np.arange(k0, k1) for _, k0, k1 in plan.windows])
+        fit["pointers"] = _fit_pointers(searchers, starts, keys, ids, distances, targets, consecutive(positions), log_p_lm, top_log_p, fit)
     calibration = Calibration(
         **fit, heldout=heldout, nprobe=manifest.index.nprobe, created=datetime.now(timezone.utc).isoformat(timespec="seconds")
     )
@@ -70,7 +86,33 @@ def calibrate_on(
         100 * calibration.skip.skipped,
         calibration.skip.ppl,
     )
+    if calibration.pointers is not None:
+        logger.info(
+            "pointer following from %d surviving pointers: %.0f%% of tokens without a search, ppl %.3f (%.3f searching)",
+            calibration.pointers.min_pointers,
+            100 * calibration.pointers.saved,
+            calibration.pointers.ppl,
+            calibration.pointers.full_ppl,
+        )
     return calibration
+
+
+def _fit_pointers(searchers, starts, keys, ids, distances, targets, continues, log_p_lm, top_log_p, fit: dict) -> dict:
+    """Replay pointer following over the held-out text with the fitted mixture and skip rule, for
+    each minimum of surviving pointers, and keep the one that saves most within the tolerance."""
+    values = np.concatenate([np.asarray(s.values) for s in searchers])
+    tune = fitting_half(len(targets))
+    threshold = fit["skip"]["threshold"]
+    skipped = np.exp(top_log_p) > threshold
+    lookup = shard_lookup(searchers, keys, distances.shape[1])
+
+    def served(d: np.ndarray, i: np.ndarray) -> np.ndarray:
+        match = (i >= 0) & (values[np.maximum(i, 0)] == targets[:, None])
+        return served_with_skips(log_p_lm, served_log_prob(log_p_lm, d, match, fit), top_log_p, threshold)
+
+    reference = served(distances, ids)
+    curve = pointer_curve(ids, distances, targets, continues, values, lookup, starts, served, tune, skipped)
+    return fit_pointers(curve, perplexity(reference[tune]), perplexity(reference[~tune]), SweepGrid().skip_tolerance)
 
 
 def build_heldout(root: Path, manifest: Manifest, model_dir: Path, config: BuildConfig) -> tuple[np.ndarray, np.ndarray, str]:

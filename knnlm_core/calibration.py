@@ -15,6 +15,7 @@ import numpy as np
 
 from knnlm_core.config import SweepGrid
 from knnlm_core.mixture import adaptive_lambda, knn_log_prob, mixture_log_prob
+from knnlm_core.pointers import replay
 
 
 def perplexity(log_probs: np.ndarray) -> float:
@@ -120,6 +121,63 @@ def fit_skip(log_p_lm, log_p_knnlm, top_log_p, tune, tolerance: float) -> dict:
     }
 
 
+def fitting_half(tokens: int) -> np.ndarray:
+    """A calibration fits on the first half of its held-out tokens (text order) and is judged on the rest."""
+    return np.arange(tokens) < tokens // 2
+
+
+def served_log_prob(log_p_lm: np.ndarray, distances: np.ndarray, match: np.ndarray, fit: dict) -> np.ndarray:
+    """log p of each target under a calibration's mixture: its k, τ and fixed or adaptive λ."""
+    log_p_knn = knn_log_prob(distances, match, fit["k"], fit["temperature"])
+    d_nearest = distances[:, 0].astype(np.float64)
+    has = np.isfinite(d_nearest)
+    curve = fit["adaptive_lambda"]
+    lam = (
+        fit["lambda"]
+        if fit["mode"] == "fixed"
+        else adaptive_lambda(np.where(has, d_nearest, 0.0), curve["lambda_max"], curve["slope"], curve["center"])
+    )
+    return mixture_log_prob(log_p_lm, log_p_knn, lam, has)
+
+
+POINTER_MINIMUMS = (1, 4, 16, 64, 256)  # minimums of surviving pointers tried by calibration and knnlm-eval
+
+
+def pointer_curve(ids, distances, targets, continues, values, lookup, document_starts, served, tune, skipped=None) -> list[dict]:
+    """Pointer following replayed (pointers.replay) for each of POINTER_MINIMUMS: the share of
+    tokens that followed pointers instead of searching and the perplexity, on both parts;
+    `served(distances, ids)` is the per-token log p of the mixture from those neighbours."""
+    curve = []
+    for minimum in POINTER_MINIMUMS:
+        d, i, followed = replay(ids, distances, targets, continues, values, lookup, document_starts, minimum, skipped)
+        log_p = served(d, i)
+        curve.append(
+            {
+                "min_pointers": minimum,
+                "tune_saved": float(followed[tune].mean()),
+                "tune_ppl": perplexity(log_p[tune]),
+                "report_saved": float(followed[~tune].mean()),
+                "report_ppl": perplexity(log_p[~tune]),
+            }
+        )
+    return curve
+
+
+def fit_pointers(curve: list[dict], reference_tune_ppl: float, reference_report_ppl: float, tolerance: float) -> dict:
+    """The minimum of surviving pointers that saves the most searches on the fitting half while
+    its perplexity stays within `tolerance` of `reference` (the same mixture, searching every
+    non-skipped row); 0 (off) when none does. `curve` rows: min_pointers, tune/report saved and ppl."""
+    fits = [c for c in curve if c["tune_ppl"] <= reference_tune_ppl * (1 + tolerance)]
+    best = max(fits, key=lambda c: c["tune_saved"], default=None)
+    return {
+        "min_pointers": best["min_pointers"] if best else 0,
+        "saved": best["report_saved"] if best else 0.0,
+        "ppl": best["report_ppl"] if best else reference_report_ppl,
+        "full_ppl": reference_report_ppl,
+        "tolerance": tolerance,
+    }
+
+
 # ------------------------------------------------------------------ the held-out slice of a corpus
 
 HELDOUT_SHARE = 0.10  # of the corpus's tokens, at most
@@ -200,23 +258,20 @@ def fit_calibration(
     grid = grid.model_copy(
         update={"temperatures": temperatures, "ks": tuple(k for k in grid.ks if k <= distances.shape[1]) or (distances.shape[1],)}
     )
-    tune = np.arange(len(log_p_lm)) < len(log_p_lm) // 2
+    tune = fitting_half(len(log_p_lm))
     best = sweep(log_p_lm, distances, match, tune, grid)["best"]
     log_p_knn = knn_log_prob(distances, match, best["k"], best["temperature"])
-    d_nearest = distances[:, 0].astype(np.float64)
-    has = np.isfinite(d_nearest)
-    adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, d_nearest, tune, grid)
-    mode = "adaptive" if adaptive["report_ppl"] < best["report_ppl"] else "fixed"
-    curve = (adaptive["lambda_max"], adaptive["slope"], adaptive["center"])
-    lam = best["lambda"] if mode == "fixed" else adaptive_lambda(np.where(has, d_nearest, 0.0), *curve)
-    served = mixture_log_prob(log_p_lm, log_p_knn, lam, has)
-    skip = fit_skip(log_p_lm, served, top_log_p, tune, grid.skip_tolerance)
-    return {
+    adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, grid)
+    fit = {
         "lambda": best["lambda"],
         "temperature": best["temperature"],
         "k": best["k"],
         "adaptive_lambda": {key: adaptive[key] for key in ("lambda_max", "slope", "center")},
-        "mode": mode,
+        "mode": "adaptive" if adaptive["report_ppl"] < best["report_ppl"] else "fixed",
+    }
+    skip = fit_skip(log_p_lm, served_log_prob(log_p_lm, distances, match, fit), top_log_p, tune, grid.skip_tolerance)
+    return {
+        **fit,
         "tokens": int(len(log_p_lm)),
         "base_ppl": perplexity(log_p_lm[~tune]),
         "knn_ppl": best["report_ppl"],

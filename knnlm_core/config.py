@@ -65,6 +65,7 @@ class DatastoreOverride(_Strict):
     k: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, gt=0)
     skip_threshold: float | None = Field(None, ge=0, le=1)
+    min_pointers: int | None = Field(None, ge=0)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -82,7 +83,7 @@ class KnnConfig(_Strict):
         default_factory=dict, description="datastore -> adaptive λ, used when a request sets no knn_lambda (beats calibration)"
     )
     overrides: dict[str, DatastoreOverride] = Field(
-        default_factory=dict, description="datastore -> {lambda, k, temperature, skip_threshold} that beat its calibration"
+        default_factory=dict, description="datastore -> {lambda, k, temperature, skip_threshold, min_pointers} that beat its calibration"
     )
     k: int = Field(1024, gt=0, description="neighbours per query for datastores without a calibration")
     max_k: int = Field(2048, gt=0, description="largest k a request may ask for")
@@ -96,7 +97,8 @@ class KnnConfig(_Strict):
     min_pointers: int = Field(
         0,
         ge=0,
-        description="decode steps reuse the last step's neighbours' successors instead of searching when this many survive; 0 = off",
+        description="decode steps score the last step's neighbours' successors instead of searching when this many survive, "
+        "without a calibration; 0 = off",
     )
     nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's manifest")
     backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")

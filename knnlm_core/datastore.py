@@ -93,6 +93,18 @@ class SkipRule(_Record):
     tolerance: float
 
 
+class PointerRule(_Record):
+    """Pointer following: a decode step follows the last step's neighbours when at least
+    `min_pointers` successors survive (0: off). Fitted, after the skip rule, to cost at most
+    `tolerance` of perplexity on the fitting half."""
+
+    min_pointers: int = Field(ge=0)
+    saved: float  # share of the judged half's tokens that followed pointers instead of searching,
+    ppl: float  # its perplexity,
+    full_ppl: float  # and with every non-skipped token searched
+    tolerance: float
+
+
 class Calibration(_Record):
     """The mixing settings that fit this datastore best on held-out text (served by default)."""
 
@@ -108,6 +120,7 @@ class Calibration(_Record):
     knn_ppl: float  # kNN-LM at the fitted fixed λ,
     adaptive_ppl: float  # and with the adaptive curve
     skip: SkipRule | None = None  # None: calibrated before adaptive retrieval existed (never skips)
+    pointers: PointerRule | None = None  # None: no document boundaries, or calibrated before pointers existed
     heldout: str  # what the held-out text was
     nprobe: int | None
     created: str

@@ -35,18 +35,22 @@ def replay(
     lookup: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]],
     document_starts: np.ndarray,
     min_pointers: int,
+    skipped: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pointer following over a scored text, teacher-forced: position t's token is targets[t].
 
     `search_ids` / `search_distances` [T, k] are every position's own search; `continues[t]` says
     position t directly follows t − 1 in the same document; `values` [entries] are the datastore's;
     `lookup(t, candidates)` scores candidate entries against position t's query, as the server
-    does: (distances, ids) [k], nearest first, padded. Returns the neighbours each position used
+    does: (distances, ids) [k], nearest first, padded. Positions `skipped` by adaptive retrieval
+    have no neighbours, so the next one cannot follow. Returns the neighbours each position used
     (distances, ids [T, k]) and whether it followed pointers instead of searching [T]."""
     distances, ids = search_distances.copy(), search_ids.copy()
+    if skipped is not None:
+        ids[skipped], distances[skipped] = -1, np.inf
     followed = np.zeros(len(ids), dtype=bool)
     for t in range(1, len(ids)):
-        if not continues[t]:
+        if not continues[t] or (skipped is not None and skipped[t]):
             continue
         previous = ids[t - 1][ids[t - 1] >= 0]
         candidates = successors(previous, values[previous], int(targets[t - 1]), document_starts)
@@ -54,3 +58,22 @@ def replay(
             distances[t], ids[t] = lookup(t, candidates)
             followed[t] = True
     return distances, ids, followed
+
+
+def shard_lookup(searchers: list, queries: np.ndarray, width: int) -> Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """`lookup` for `replay` over in-process shards (`ShardSearcher`s): the server's own scoring,
+    every shard scoring its candidates, merged, padded to `width`."""
+    from knnlm_core.search import merge_topk
+
+    def lookup(t: int, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        d, _, i = merge_topk([s.lookup(queries[t : t + 1], candidates[None]) for s in searchers], width)
+        out_d, out_i = np.full(width, np.inf, dtype=np.float32), np.full(width, -1, dtype=np.int64)
+        out_d[: d.shape[1]], out_i[: i.shape[1]] = d[0], i[0]
+        return out_d, out_i
+
+    return lookup
+
+
+def consecutive(positions: np.ndarray) -> np.ndarray:
+    """continues[t] for `replay`: position t is the token right after position t − 1."""
+    return np.r_[False, positions[1:] == positions[:-1] + 1]

@@ -29,12 +29,19 @@ class MixDefaults(BaseModel):
     k: int
     temperature: float
     skip_threshold: float  # rows whose LM top probability exceeds this skip the search
+    min_pointers: int  # decode rows follow pointers when this many survive (0: off)
     source: dict[str, str]  # "lambda" / "k" / ... -> "config override" | "calibration" | "config default"
 
 
 def mix_defaults(knn: KnnConfig, name: str, calibration: Calibration | None) -> MixDefaults:
     """Per datastore: the config's overrides beat the datastore's calibration, which beats the config's defaults."""
-    values = {"lambda": knn.lambda_, "k": knn.k, "temperature": knn.temperature, "skip_threshold": knn.skip_threshold}
+    values = {
+        "lambda": knn.lambda_,
+        "k": knn.k,
+        "temperature": knn.temperature,
+        "skip_threshold": knn.skip_threshold,
+        "min_pointers": knn.min_pointers,
+    }
     source = dict.fromkeys(values, "config default")
     adaptive = None
     if calibration is not None:
@@ -44,6 +51,8 @@ def mix_defaults(knn: KnnConfig, name: str, calibration: Calibration | None) -> 
             adaptive = calibration.adaptive_lambda
         if calibration.skip is not None:
             values["skip_threshold"], source["skip_threshold"] = calibration.skip.threshold, "calibration"
+        if calibration.pointers is not None:
+            values["min_pointers"], source["min_pointers"] = calibration.pointers.min_pointers, "calibration"
     override = knn.overrides.get(name)
     for field in values:
         value = getattr(override, "lambda_" if field == "lambda" else field, None) if override else None
@@ -59,6 +68,7 @@ def mix_defaults(knn: KnnConfig, name: str, calibration: Calibration | None) -> 
         k=values["k"],
         temperature=values["temperature"],
         skip_threshold=values["skip_threshold"],
+        min_pointers=values["min_pointers"],
         source=source,
     )
 

@@ -63,6 +63,9 @@ def test_the_build_holds_a_slice_out_and_stores_its_fit(datastores, corpus, tiny
     skip = cal.skip  # the skip rule for the served mixture, judged on the second half
     assert skip is not None and 0 <= skip.threshold <= 1 and skip.tolerance == 0.005
     assert (skip.skipped == 0) == (skip.threshold == 1) and skip.full_ppl == pytest.approx(min(cal.knn_ppl, cal.adaptive_ppl), rel=1e-6)
+    pointers = cal.pointers  # and the pointer rule, after the skip rule
+    assert pointers is not None and pointers.full_ppl == pytest.approx(skip.ppl, rel=1e-6)
+    assert (pointers.min_pointers == 0) == (pointers.saved == 0) and pointers.tolerance == skip.tolerance
     # The held-out documents are not in the index: it has fewer entries than the corpus has positions.
     assert manifest.entries < manifest.corpus.tokens - manifest.corpus.documents
 
@@ -107,7 +110,7 @@ def test_a_small_corpus_says_it_was_calibrated_on_nothing(tmp_path, tiny_model_d
 def server(datastores, tiny_model_dir):
     cal = read_manifest(datastores / "cal").calibration
     # "explicit": the same files, the calibration's values written as config overrides.
-    explicit = {"k": cal.k, "temperature": cal.temperature, "skip_threshold": cal.skip.threshold}
+    explicit = {"k": cal.k, "temperature": cal.temperature, "skip_threshold": cal.skip.threshold, "min_pointers": cal.pointers.min_pointers}
     adaptive = {}
     if cal.mode == "fixed":
         explicit["lambda"] = cal.lambda_
@@ -170,6 +173,7 @@ def test_config_overrides_then_request_knobs_win(server, prompt):
         "k": "config override",
         "temperature": "config override",
         "skip_threshold": "calibration",
+        "min_pointers": "calibration",
     }
 
 

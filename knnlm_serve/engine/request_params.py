@@ -78,7 +78,7 @@ def parse_knn_params(extra_args: dict | None, runtime: Runtime) -> KnnParams:
     if temperature == 0:
         raise KnnParamError("knn_temperature", temperature, "a number > 0")
     skip = _number("knn_skip_threshold", args.get("knn_skip_threshold", defaults.skip_threshold), 0.0, 1.0, "a number in [0, 1]")
-    pointers = args.get("knn_pointers", config.min_pointers)
+    pointers = args.get("knn_pointers", defaults.min_pointers)
     if isinstance(pointers, bool) or not isinstance(pointers, int) or not 0 <= pointers <= config.max_k:
         raise KnnParamError("knn_pointers", pointers, f"an integer in [0, {config.max_k}] (0: always search)")
     return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature, adaptive, skip, pointers)

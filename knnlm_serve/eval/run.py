@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_core.calibration import fit_adaptive_lambda, fit_skip, perplexity, served_with_skips, sweep
+from knnlm_core.calibration import fit_adaptive_lambda, fit_skip, perplexity, pointer_curve, served_with_skips, sweep
 from knnlm_core.config import EvalConfig, KnnConfig
 from knnlm_core.datastore import load_document_starts
 from knnlm_core.mixture import adaptive_lambda, knn_log_prob, mixture_log_prob
 from knnlm_core.model_dir import model_fingerprint
-from knnlm_core.pointers import replay
-from knnlm_core.search import merge_topk, open_shards
+from knnlm_core.pointers import consecutive, shard_lookup
+from knnlm_core.search import open_shards
 from knnlm_serve.eval.score import Variant, encode_keys, find_neighbours, open_engine, plan_variants, score_with_vllm
 from knnlm_serve.eval.text import EvalError, load_eval_text
 from knnlm_serve.runtime import DatastoreInfo, ServedModel, check_datastore, mix_defaults
@@ -161,9 +161,6 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     return EvalRun(_plain(summary), arrays)
 
 
-POINTER_MINIMUMS = (1, 4, 16, 64, 256)
-
-
 def _pointer_curve(root: Path, manifest, text, distances, ids, queries, setting: dict, log_p_lm, log_p_full, tune) -> dict | None:
     """Pointer following replayed over the text at the served setting, for each minimum number of
     surviving pointers: the share of searches it saves and the perplexity, vs every step searched.
@@ -173,31 +170,15 @@ def _pointer_curve(root: Path, manifest, text, distances, ids, queries, setting:
         return None
     searchers = open_shards(root, manifest)
     values = np.concatenate([np.asarray(s.values) for s in searchers])
-    positions = np.concatenate([np.arange(k0, k1) for _, k0, k1 in text.plan.windows])
-    continues = np.r_[False, positions[1:] == positions[:-1] + 1]
-    width = distances.shape[1]
+    continues = consecutive(np.concatenate([np.arange(k0, k1) for _, k0, k1 in text.plan.windows]))
+    lookup = shard_lookup(searchers, queries, distances.shape[1])
 
-    def lookup(t: int, candidates: np.ndarray):  # the server's path: every shard scores its candidates, merged
-        d, _, i = merge_topk([s.lookup(queries[t : t + 1], candidates[None]) for s in searchers], width)
-        out_d, out_i = np.full(width, np.inf, dtype=np.float32), np.full(width, -1, dtype=np.int64)
-        out_d[: d.shape[1]], out_i[: i.shape[1]] = d[0], i[0]
-        return out_d, out_i
-
-    curve = []
-    for minimum in POINTER_MINIMUMS:
-        d, i, followed = replay(ids, distances, text.targets, continues, values, lookup, starts, minimum)
+    def served(d: np.ndarray, i: np.ndarray) -> np.ndarray:
         match = (i >= 0) & (values[np.maximum(i, 0)] == text.targets[:, None])
         log_p_knn = knn_log_prob(d, match, setting["k"], setting["temperature"])
-        mix = mixture_log_prob(log_p_lm, log_p_knn, setting["lambda"], np.isfinite(d[:, 0]))
-        curve.append(
-            {
-                "min_pointers": minimum,
-                "tune_saved": float(followed[tune].mean()),
-                "tune_ppl": perplexity(mix[tune]),
-                "report_saved": float(followed[~tune].mean()),
-                "report_ppl": perplexity(mix[~tune]),
-            }
-        )
+        return mixture_log_prob(log_p_lm, log_p_knn, setting["lambda"], np.isfinite(d[:, 0]))
+
+    curve = pointer_curve(ids, distances, text.targets, continues, values, lookup, starts, served, tune)
     return {"full_ppl": perplexity(log_p_full[~tune]), "curve": curve}
 
 
