@@ -53,13 +53,13 @@ def timed(fn, repeats: int) -> dict:
 
 
 def backends(keys: np.ndarray, k_max: int) -> dict:
-    """name -> (search(queries, k) -> ids, build seconds)."""
+    """name -> (search(queries, k) -> ids, build seconds, factory)."""
     out = {}
     flat = faiss.IndexFlatL2(DIM)
     flat.add(keys)
     exact = ExactKeys.of(flat)
-    out["faiss flat"] = (lambda q, k: flat.search(q, k)[1], 0.0)
-    out["torch flat"] = (lambda q, k: exact.search(q, k)[1], 0.0)
+    out["faiss flat"] = (lambda q, k: flat.search(q, k)[1], 0.0, "Flat")
+    out["torch flat"] = (lambda q, k: exact.search(q, k)[1], 0.0, "Flat")
     sample = keys[np.random.default_rng(0).choice(len(keys), min(len(keys), TRAIN_MAX), replace=False)]
     ivfpq = index_factory_string("ivfpq", len(keys), DIM)
     for name, factory in (("IVF-Flat", ivfpq.split(",")[0] + ",Flat"), ("IVF-PQ", ivfpq)):
@@ -67,16 +67,17 @@ def backends(keys: np.ndarray, k_max: int) -> dict:
         index = train_index(factory, sample)
         index.add(keys)
         params = faiss.SearchParametersIVF(nprobe=DEFAULT_NPROBE)
-        out[f"{name} ({factory}, nprobe {DEFAULT_NPROBE})"] = (
+        out[f"{name} (nprobe {DEFAULT_NPROBE})"] = (
             lambda q, k, index=index, params=params: index.search(q, k, params=params)[1],
             time.perf_counter() - start,
+            factory,
         )
     if len(keys) <= HNSW_MAX:
         start = time.perf_counter()
         hnsw = faiss.IndexHNSWFlat(DIM, 32)
         hnsw.add(keys)
         params = faiss.SearchParametersHNSW(efSearch=k_max)
-        out["HNSW32"] = (lambda q, k: hnsw.search(q, k, params=params)[1], time.perf_counter() - start)
+        out["HNSW32"] = (lambda q, k: hnsw.search(q, k, params=params)[1], time.perf_counter() - start, "HNSW32")
     return out
 
 
@@ -98,14 +99,15 @@ def main() -> None:
         keys = np.concatenate([generator.draw(min(65_536, size - s), KEYS_STREAM, c) for c, s in enumerate(range(0, size, 65_536))])
         found = backends(keys, max(args.ks))
         exact = {k: found["torch flat"][0](queries, k) for k in args.ks}
-        for name, (search, build_s) in found.items():
+        for name, (search, build_s, factory) in found.items():
             for k in args.ks:
                 ids = search(queries, k)
                 recall = float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(ids, exact[k])]))
                 for batch in args.batches:
                     q = np.ascontiguousarray(queries[:batch])
                     rows.append(
-                        {"backend": name, "entries": size, "k": k, "batch": batch, "recall": round(recall, 4), "build_s": round(build_s, 1)}
+                        {"backend": name, "factory": factory, "entries": size, "k": k, "batch": batch}
+                        | {"recall": round(recall, 4), "build_s": round(build_s, 1)}
                         | timed(lambda q=q, k=k, search=search: search(q, k), args.repeats)
                     )
         del found

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/wikitext2_eval.py        # ~30 min on 2 CPU cores
 
   * main datastore: all of WikiText-2 valid.txt (or a prefix, `--valid-chars`) with the default
-    build settings (ffn_input keys, context 512, `auto` index = IVF-PQ above 100k entries) except
+    build settings (ffn_input keys, context 512, `auto` index = IVF-PQ above 100k entries at the time (50k now)) except
     stride 448 (fewer re-encoded tokens) and `--keep-keys` (so the same keys are also searched
     exactly, flat L2); its random fractions give the size curve;
   * key types: ffn_input (IVF-PQ, kept keys, so also exact) and final (flat) datastores over a
