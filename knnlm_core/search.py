@@ -44,6 +44,22 @@ class ShardSearcher:
         self.dim = index.d
         self._reconstructs = None
 
+    def find(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None) -> tuple[np.ndarray, ...]:
+        """One step's neighbours [n, k]: rows with pointers (`pointers[i]`: candidate ids, -1 padding;
+        a row follows when its first is set) are scored against them, the others searched."""
+        follow = np.zeros(len(queries), dtype=bool) if pointers is None else pointers[:, 0] >= 0
+        if not follow.any():
+            return self.search(queries, k, nprobe)
+        n = len(queries)
+        out = (np.full((n, k), np.inf, np.float32), np.full((n, k), -1, np.int32), np.full((n, k), -1, np.int64))
+        if not follow.all():
+            for column, values in zip(out, self.search(queries[~follow], k, nprobe)):
+                column[~follow] = values
+        for column, values in zip(out, self.lookup(queries[follow], pointers[follow])):
+            width = min(k, values.shape[1])
+            column[follow, :width] = values[:, :width]
+        return out
+
     def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self.exact is not None:
             distances, ids = self.exact.search(queries, k)

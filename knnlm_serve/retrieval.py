@@ -1,8 +1,8 @@
 """Batched top-k search over a datastore version's shards: Ray actors (one per shard) or in-process.
 
-Both backends answer `search(info, queries, k, nprobe)` with the global top-k merged from every
-shard's top-k by distance, and `lookup(info, queries, ids)` with the given entries scored against
-each query (pointer following), merged the same way. A shard that fails or misses the deadline is left out (policy
+Both backends answer `search(info, queries, k, nprobe, pointers)` with the global top-k merged
+from every shard's top-k by distance; rows with pointers (pointer following) are scored against
+those entries instead of searched, in the same call. A shard that fails or misses the deadline is left out (policy
 `partial`) or fails the whole search (policy `lm_only`); either way the caller learns why.
 """
 
@@ -42,7 +42,7 @@ class SearchResult:
 
 
 def _timed(method, *args):
-    """(distances, tokens, ids, seconds) of a shard's search or lookup."""
+    """(distances, tokens, ids, seconds) of a shard's answer."""
     start = time.perf_counter()
     return (*method(*args), time.perf_counter() - start)
 
@@ -59,16 +59,10 @@ class LocalRetriever:
         self.gpu = knn.gpu
         self._shards: dict[tuple[str, int], list[ShardSearcher]] = {}
 
-    def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None) -> SearchResult:
-        return self._gather(info, k, lambda s: _timed(s.search, queries, k, nprobe))
-
-    def lookup(self, info: DatastoreInfo, queries: np.ndarray, ids: np.ndarray) -> SearchResult:
-        return self._gather(info, ids.shape[1], lambda s: _timed(s.lookup, queries, ids))
-
-    def _gather(self, info: DatastoreInfo, k: int, ask) -> SearchResult:
+    def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
         if info.key not in self._shards:
             self._shards[info.key] = _shard_searchers(info, self.gpu)
-        answers = {s.name: ask(s) for s in self._shards[info.key]}
+        answers = {s.name: _timed(s.find, queries, k, nprobe, pointers) for s in self._shards[info.key]}
         distances, tokens, ids = merge_topk([a[:3] for a in answers.values()], k)
         return SearchResult(distances, tokens, ids, {name: a[3] for name, a in answers.items()})
 
@@ -95,11 +89,8 @@ class ShardActor:
     def describe(self) -> dict:
         return {"name": self.searcher.name, "entries": self.searcher.ntotal, "on_gpu": self.searcher.on_gpu, "pid": os.getpid()}
 
-    def search(self, queries: np.ndarray, k: int, nprobe: int | None):
-        return _timed(self.searcher.search, queries, k, nprobe)
-
-    def lookup(self, queries: np.ndarray, ids: np.ndarray):
-        return _timed(self.searcher.lookup, queries, ids)
+    def search(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None = None):
+        return _timed(self.searcher.find, queries, k, nprobe, pointers)
 
 
 def actor_name(info: DatastoreInfo, shard: str) -> str:
@@ -148,17 +139,11 @@ class RayRetriever:
             self._actors[info.key] = [ray.get_actor(actor_name(info, s), namespace=self.knn.ray_namespace) for s in info.shards]
         return self._actors[info.key]
 
-    def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None) -> SearchResult:
-        return self._gather(info, k, lambda actor, q: actor.search.remote(q, k, nprobe), queries)
-
-    def lookup(self, info: DatastoreInfo, queries: np.ndarray, ids: np.ndarray) -> SearchResult:
-        return self._gather(info, ids.shape[1], lambda actor, q: actor.lookup.remote(q, ids), queries)
-
-    def _gather(self, info: DatastoreInfo, k: int, ask, queries: np.ndarray) -> SearchResult:
+    def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
         import ray
 
         queries_ref = ray.put(np.ascontiguousarray(queries, dtype=np.float32))
-        refs = {shard: ask(actor, queries_ref) for shard, actor in zip(info.shards, self._handles(info))}
+        refs = {shard: actor.search.remote(queries_ref, k, nprobe, pointers) for shard, actor in zip(info.shards, self._handles(info))}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.knn.shard_timeout_s)
         answers, seconds, failed = [], {}, {}
         for shard, ref in refs.items():

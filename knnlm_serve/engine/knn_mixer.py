@@ -67,36 +67,32 @@ class KnnMixer:
         A row with at least its `min_pointers` candidates (pointer following) is scored against
         those entries only; the others are searched."""
         ks = np.array([p.k for p in params])
-        k = int(ks.max())
         follow = np.array([c is not None and 0 < p.min_pointers <= len(c) for c, p in zip(candidates, params)], dtype=bool)
-        distances = np.full((len(params), k), np.inf, dtype=np.float32)
-        tokens = np.full((len(params), k), -1, dtype=np.int32)
-        ids = np.full((len(params), k), -1, dtype=np.int64)
+        pointers = None  # [n, max candidates], -1 padding: a row follows pointers when its first is set
+        if follow.any():
+            pointers = np.full((len(params), max(len(candidates[r]) for r in np.flatnonzero(follow))), -1, dtype=np.int64)
+            for r in np.flatnonzero(follow):
+                pointers[r, : len(candidates[r])] = candidates[r]
         start = time.perf_counter()
         try:
-            for rows, result in self._find(info, keys, k, follow, candidates, runtime):
-                width = min(k, result.distances.shape[1])
-                distances[rows, :width], tokens[rows, :width], ids[rows, :width] = (
-                    result.distances[:, :width],
-                    result.tokens[:, :width],
-                    result.ids[:, :width],
-                )
-                for shard, seconds in result.shard_seconds.items():
-                    metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
-                if result.shard_seconds:
-                    metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
-                for reason in result.failed_shards.values():
-                    metrics.FALLBACKS.labels(info.name, reason).inc(len(rows))
+            result = self.retriever.search(info, keys, int(ks.max()), runtime.knn.nprobe or info.nprobe, pointers)
         except RetrievalError as e:
             metrics.FALLBACKS.labels(info.name, e.reason).inc(len(params))
             logger.warning("serving %d row(s) LM-only: %s", len(params), e)
             return None
         metrics.RETRIEVAL_SECONDS.labels(info.name).observe(time.perf_counter() - start)
+        for shard, seconds in result.shard_seconds.items():
+            metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
+        if result.shard_seconds:
+            metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
+        for reason in result.failed_shards.values():
+            metrics.FALLBACKS.labels(info.name, reason).inc(len(params))
+        distances, tokens, ids = result.distances, result.tokens, result.ids
         metrics.RETRIEVAL_STEPS.labels(info.name).inc()
         metrics.QUERIES.labels(info.name).inc(int((~follow).sum()))
         metrics.POINTER_ROWS.labels(info.name).inc(int(follow.sum()))
         metrics.NEIGHBOURS.labels(info.name).inc(int(ks.sum()))
-        beyond_k = np.arange(k)[None, :] >= ks[:, None]  # rows that asked for fewer
+        beyond_k = np.arange(distances.shape[1])[None, :] >= ks[:, None]  # rows that asked for fewer
         distances[beyond_k], tokens[beyond_k], ids[beyond_k] = np.inf, -1, -1
         return Neighbours(
             distances,
@@ -105,19 +101,6 @@ class KnnMixer:
             self._lambdas(params, distances[:, 0]),
             np.array([p.temperature for p in params], dtype=np.float32),
         )
-
-    def _find(self, info: DatastoreInfo, keys: np.ndarray, k: int, follow: np.ndarray, candidates, runtime: Runtime):
-        """(rows, SearchResult) for the searched rows, then for the rows scored against their candidates."""
-        if not follow.all():
-            rows = np.flatnonzero(~follow)
-            yield rows, self.retriever.search(info, keys[rows], k, runtime.knn.nprobe or info.nprobe)
-        if follow.any():
-            rows = np.flatnonzero(follow)
-            width = max(len(candidates[r]) for r in rows)
-            padded = np.full((len(rows), width), -1, dtype=np.int64)
-            for i, r in enumerate(rows):
-                padded[i, : len(candidates[r])] = candidates[r]
-            yield rows, self.retriever.lookup(info, keys[rows], padded)
 
     @staticmethod
     def _lambdas(params: list[KnnParams], nearest: np.ndarray) -> np.ndarray:
