@@ -15,6 +15,7 @@ Only JSON and plain `.npy` arrays are read (`allow_pickle=False`): a datastore i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -142,6 +143,7 @@ class Manifest(_Record):
     calibration_note: str | None = None  # why there is no calibration
     calibration_history: list[Calibration] = []  # earlier calibrations, oldest first
     documents: FileEntry | None = None  # documents.npy; None: no document boundaries (no pointer following)
+    checksum: str | None = None  # sha256 of this manifest without this field (None: written before it existed)
 
     def files(self) -> list[FileEntry]:
         """Every data file the manifest lists, with its size and checksum."""
@@ -167,6 +169,11 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         raise DatastoreError(
             f"{manifest_file}: format {raw.get('format')!r} v{raw.get('format_version')} is not "
             f"{FORMAT!r} v{FORMAT_VERSION}; rebuild it with this version of knnlm-index"
+        )
+    if raw.get("checksum") is not None and raw["checksum"] != _manifest_checksum(raw):
+        raise DatastoreError(
+            f"{manifest_file} was changed after knnlm-index wrote it (its checksum does not match its content): "
+            "a hand edit or a damaged copy; restore it, or rebuild the datastore"
         )
     try:
         manifest = Manifest.model_validate(raw)
@@ -220,5 +227,12 @@ def load_document_starts(root: Path, manifest: Manifest) -> np.ndarray | None:
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
-    """Written last and atomically: a manifest on disk means the datastore is complete."""
-    write_json_atomic(root / MANIFEST, manifest.model_dump(mode="json", by_alias=True))
+    """Written last and atomically: a manifest on disk means the datastore is complete. It carries
+    a checksum of its own content, so an edit after the fact (say, of the key type) is refused."""
+    raw = manifest.model_dump(mode="json", by_alias=True)
+    write_json_atomic(root / MANIFEST, {**raw, "checksum": _manifest_checksum(raw)})
+
+
+def _manifest_checksum(raw: dict) -> str:
+    content = {key: value for key, value in raw.items() if key != "checksum"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()

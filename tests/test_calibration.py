@@ -19,7 +19,7 @@ from index_builder.build import build_datastore
 from index_builder.default_datastore import stdlib_documents
 from knnlm_core.calibration import fit_skip, perplexity, split_heldout
 from knnlm_core.config import BuildConfig
-from knnlm_core.datastore import MANIFEST, read_manifest
+from knnlm_core.datastore import MANIFEST, read_manifest, write_manifest
 from knnlm_core.errors import CorpusError
 from knnlm_serve.server.process import RunningServer
 
@@ -46,9 +46,9 @@ def corpus(tmp_path_factory):
 def datastores(corpus, tiny_model_dir):
     root = corpus / "datastores"
     build_datastore([corpus / "indexed"], root / "cal", tiny_model_dir, CONFIG, progress=False)
-    shutil.copytree(root / "cal", root / "old")  # as built before calibration existed: no such section
+    shutil.copytree(root / "cal", root / "old")  # as built before calibration existed: no such sections
     manifest = json.loads((root / "old" / MANIFEST).read_text())
-    for key in ("calibration", "calibration_note", "calibration_history"):
+    for key in ("calibration", "calibration_note", "calibration_history", "documents", "checksum"):
         manifest.pop(key)
     (root / "old" / MANIFEST).write_text(json.dumps(manifest))
     return root
@@ -239,9 +239,11 @@ def test_calibrate_without_text_refits_the_slice_the_build_held_out(datastores, 
     changed = corpus / "changed"
     shutil.copytree(corpus / "indexed", changed)
     (changed / "json.txt").write_text((changed / "json.txt").read_text() + "\n\nOne more paragraph about JSON.")
-    manifest = json.loads((datastores / "refit" / MANIFEST).read_text())
-    manifest["corpus"]["sources"] = [s.replace(str(corpus / "indexed"), str(changed)) for s in manifest["corpus"]["sources"]]
-    (datastores / "refit" / MANIFEST).write_text(json.dumps(manifest))
+    manifest = read_manifest(datastores / "refit")
+    moved = manifest.corpus.model_copy(
+        update={"sources": [s.replace(str(corpus / "indexed"), str(changed)) for s in manifest.corpus.sources]}
+    )
+    write_manifest(datastores / "refit", manifest.model_copy(update={"corpus": moved}))
     before = (datastores / "refit" / MANIFEST).read_bytes()
     with pytest.raises(CorpusError, match="changed since the build.*knnlm-index calibrate DATASTORE TEXT"):
         recalibrate(datastores / "refit", [], tiny_model_dir, CONFIG, progress=False)

@@ -17,6 +17,7 @@ from index_builder.build import build_datastore
 from index_builder.verify import verify_datastore
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import load_document_starts, read_manifest
+from knnlm_core.errors import DatastoreError
 from knnlm_core.search import merge_topk, open_shards
 from knnlm_core.windows import plan_windows
 
@@ -227,6 +228,19 @@ def test_model_that_is_not_a_causal_lm_is_refused(corpus, tmp_path):
     result = knnlm_index("build", str(corpus), "-o", str(tmp_path / "ds"), "--model", str(tmp_path / "bert"))
     assert result.returncode != 0 and "not a causal language model" in result.stderr
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_manifest_edited_after_the_build_is_refused(corpus, tiny_model_dir, tmp_path):
+    manifest = build_datastore([corpus], tmp_path / "ds", tiny_model_dir, SMALL, progress=False)
+    file = tmp_path / "ds" / "manifest.json"
+    raw = json.loads(file.read_text())
+    raw["key_type"] = "final" if manifest.key_type == "ffn_input" else "ffn_input"
+    file.write_text(json.dumps(raw))
+    with pytest.raises(DatastoreError, match="changed after knnlm-index wrote it.*restore it, or rebuild"):
+        read_manifest(tmp_path / "ds")
+    raw["key_type"] = manifest.key_type  # put back as it was: accepted again
+    file.write_text(json.dumps(raw, indent=4))
+    assert read_manifest(tmp_path / "ds") == manifest
 
 
 def test_inspect_detects_a_corrupted_shard(corpus, tiny_model_dir, tmp_path):
