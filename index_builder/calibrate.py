@@ -63,11 +63,14 @@ def calibrate_on(
     searchers = open_shards(root, manifest)
     shards = [(s.index, s.values, None, s.first_id) for s in searchers]
     distances, found, ids = search_many(shards, keys, max(SweepGrid().ks), manifest.index.nprobe)
-    fit = fit_calibration(log_p_lm, top_log_p, distances, found == targets[:, None])
+    grid = SweepGrid(skip_tolerance=config.skip_tolerance)
+    fit = fit_calibration(log_p_lm, top_log_p, distances, found == targets[:, None], grid)
     starts = load_document_starts(root, manifest)
     if starts is not None:
         positions = np.concatenate([np.arange(k0, k1) for _, k0, k1 in plan.windows])
-        fit["pointers"] = _fit_pointers(searchers, starts, keys, ids, distances, targets, consecutive(positions), log_p_lm, top_log_p, fit)
+        fit["pointers"] = _fit_pointers(
+            searchers, starts, keys, ids, distances, targets, consecutive(positions), log_p_lm, top_log_p, fit, config.skip_tolerance
+        )
     calibration = Calibration(
         **fit, heldout=heldout, nprobe=manifest.index.nprobe, created=datetime.now(timezone.utc).isoformat(timespec="seconds")
     )
@@ -97,7 +100,7 @@ def calibrate_on(
     return calibration
 
 
-def _fit_pointers(searchers, starts, keys, ids, distances, targets, continues, log_p_lm, top_log_p, fit: dict) -> dict:
+def _fit_pointers(searchers, starts, keys, ids, distances, targets, continues, log_p_lm, top_log_p, fit: dict, tolerance: float) -> dict:
     """Replay pointer following over the held-out text with the fitted mixture and skip rule, for
     each minimum of surviving pointers, and keep the one that saves most within the tolerance."""
     values = np.concatenate([np.asarray(s.values) for s in searchers])
@@ -112,7 +115,7 @@ def _fit_pointers(searchers, starts, keys, ids, distances, targets, continues, l
 
     reference = served(distances, ids)
     curve = pointer_curve(ids, distances, targets, continues, values, lookup, starts, served, tune, skipped)
-    return fit_pointers(curve, perplexity(reference[tune]), perplexity(reference[~tune]), SweepGrid().skip_tolerance)
+    return fit_pointers(curve, perplexity(reference[tune]), perplexity(reference[~tune]), tolerance)
 
 
 def build_heldout(root: Path, manifest: Manifest, model_dir: Path, config: BuildConfig) -> tuple[np.ndarray, np.ndarray, str]:

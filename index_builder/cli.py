@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     calibrate.add_argument("--context-length", type=int, help="default: the build's")
     calibrate.add_argument("--stride", type=int, help="default: the build's")
     calibrate.add_argument("--text-field", default=BuildConfig().text_field, help="field holding the text in .jsonl inputs")
+    calibrate.add_argument(
+        "--skip-tolerance", type=float, default=BuildConfig().skip_tolerance, help=BuildConfig.model_fields["skip_tolerance"].description
+    )
     calibrate.add_argument("--quiet", action="store_true", help="no progress bars")
 
     inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
                     context_length=args.context_length or built.build.context_length,
                     stride=args.stride or built.build.stride,
                     text_field=args.text_field,
+                    skip_tolerance=args.skip_tolerance,
                     dtype=built.model.dtype,
                 )
             except ValidationError as e:

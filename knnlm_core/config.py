@@ -37,6 +37,9 @@ class BuildConfig(_Strict):
     train_sample: int = Field(262_144, gt=0, description="keys sampled to train the quantizers")
     keep_keys: bool = Field(False, description="store fp16 keys beside each shard for exact re-scoring")
     calibrate: bool = Field(True, description="hold out a slice of the corpus and fit the served λ, τ, k on it")
+    skip_tolerance: float = Field(
+        0.005, ge=0, description="calibration: share of perplexity the skip and pointer rules may cost on the fitting half"
+    )
     text_field: str = Field("text", description="field holding the text in .jsonl inputs")
     on_bad_utf8: Literal["skip", "error"] = Field("skip", description="files that are not UTF-8: skip with a warning, or fail")
     seed: int = 0

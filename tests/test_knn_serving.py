@@ -109,13 +109,14 @@ def test_mixed_batch_rows_get_their_own_settings(knn_server, token_ids):
         {"knn_datastore": "a3", "knn_lambda": 0.5, "knn_k": 2},
         {"knn_datastore": "b", "knn_lambda": 0.3, "knn_temperature": 5.0},
         {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.02},
+        {"knn_datastore": "a3", "knn_lambda": 0.9, "knn_pointers": 1},  # its own pointers, across 3 shards
     ] * 2
-    alone = [complete(knn_server, prompt, **x) for x in requests[:6]]
+    alone = [complete(knn_server, prompt, **x) for x in requests[:7]]
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda x: complete(knn_server, prompt, **x), requests))
     for i, choice in enumerate(together):
-        assert choice.token_ids == alone[i % 6].token_ids
-        np.testing.assert_allclose(choice.logprobs.token_logprobs, alone[i % 6].logprobs.token_logprobs, atol=1e-4)
+        assert choice.token_ids == alone[i % 7].token_ids
+        np.testing.assert_allclose(choice.logprobs.token_logprobs, alone[i % 7].logprobs.token_logprobs, atol=1e-4)
     assert alone[0].token_ids != alone[1].token_ids  # the two datastores really differ
 
 
