@@ -1,13 +1,17 @@
 """Search time per decode step against datastore size, for each search backend.
 
 One timed call is one step's batch of queries against one shard: FAISS flat (IndexFlatL2), the
-torch exact search flat shards are served with (`knnlm_core.search.ExactKeys`), IVF-Flat, IVF-PQ
-(the builder's `ivfpq` preset at nprobe 32) and HNSW32 (efSearch = k, its minimum for k results).
+torch exact search (`knnlm_core.search.torch_search`, which flat shards use where it is faster),
+IVF-Flat, IVF-PQ (the builder's `ivfpq` preset at nprobe 32, trained on a sample with the builder's
+`train_index`) and HNSW32 (efSearch = k, its minimum for k results; built only up to HNSW_MAX
+entries, as its construction takes minutes per 100k keys on 2 cores).
 Keys are the synthetic clustered 576-d vectors of `retrieval_latency.py` (same generator), queries
-a held-out stream of the same clusters. Recall is |returned ∩ exact top-k| / k.
+a held-out stream of the same clusters. Recall is |returned ∩ exact top-k| / k. FAISS and torch
+run with the same thread count; the machine's load average is recorded, as other work on a shared
+machine slows multi-threaded searches most.
 
     .venv/bin/python benchmarks/search_backends.py                 # ~10 min on 2 cores
-    .venv/bin/python benchmarks/search_backends.py --sizes 10000 100000 1000000
+    .venv/bin/python benchmarks/search_backends.py --sizes 10000 100000 1000000   # 1M: + ~10 min
 
 Writes benchmarks/results/search_backends.json and .png, and prints a Markdown table. The
 builder's `--index auto` and the serving path's choice for exact shards cite these numbers.
@@ -35,31 +39,37 @@ from retrieval_latency import DIM, KEYS_STREAM, QUERY_STREAM, ClusteredVectors  
 from tqdm import tqdm  # noqa: E402
 
 from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string, train_index  # noqa: E402
-from knnlm_core.search import ExactKeys  # noqa: E402
+from knnlm_core.search import flat_keys, torch_search  # noqa: E402
 
 RESULTS = ROOT / "benchmarks/results/search_backends.json"
 HNSW_MAX = 100_000  # HNSW32 construction on 2 cores takes minutes per 100k; larger sizes skip it
 TRAIN_MAX = 65_536
 
 
-def timed(fn, repeats: int) -> dict:
-    fn()  # warm-up
-    times = []
+def timed(calls: dict, repeats: int) -> dict:
+    """name -> {p50_ms, min_ms, max_ms} of each call; the calls take turns within every repeat, so a
+    burst of load from elsewhere on the machine hits all backends alike."""
+    times = {name: [] for name in calls}
+    for fn in calls.values():
+        fn()  # warm-up
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return {"p50_ms": round(float(np.median(times)), 3), "min_ms": round(min(times), 3), "max_ms": round(max(times), 3)}
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return {
+        name: {"p50_ms": round(float(np.median(t)), 3), "min_ms": round(min(t), 3), "max_ms": round(max(t), 3)} for name, t in times.items()
+    }
 
 
-def backends(keys: np.ndarray, k_max: int) -> dict:
+def backends(keys: np.ndarray) -> dict:
     """name -> (search(queries, k) -> ids, build seconds, factory)."""
     out = {}
     flat = faiss.IndexFlatL2(DIM)
     flat.add(keys)
-    exact = ExactKeys.of(flat)
+    exact = flat_keys(flat, on_gpu=False)
     out["faiss flat"] = (lambda q, k: flat.search(q, k)[1], 0.0, "Flat")
-    out["torch flat"] = (lambda q, k: exact.search(q, k)[1], 0.0, "Flat")
+    out["torch flat"] = (lambda q, k: torch_search(*exact, q, k)[1], 0.0, "Flat")
     sample = keys[np.random.default_rng(0).choice(len(keys), min(len(keys), TRAIN_MAX), replace=False)]
     ivfpq = index_factory_string("ivfpq", len(keys), DIM)
     for name, factory in (("IVF-Flat", ivfpq.split(",")[0] + ",Flat"), ("IVF-PQ", ivfpq)):
@@ -76,15 +86,18 @@ def backends(keys: np.ndarray, k_max: int) -> dict:
         start = time.perf_counter()
         hnsw = faiss.IndexHNSWFlat(DIM, 32)
         hnsw.add(keys)
-        params = faiss.SearchParametersHNSW(efSearch=k_max)
-        out["HNSW32"] = (lambda q, k: hnsw.search(q, k, params=params)[1], time.perf_counter() - start, "HNSW32")
+        out["HNSW32"] = (
+            lambda q, k: hnsw.search(q, k, params=faiss.SearchParametersHNSW(efSearch=k))[1],
+            time.perf_counter() - start,
+            "HNSW32",
+        )
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 30_000, 100_000, 300_000])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[3_000, 10_000, 30_000, 100_000, 300_000])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--ks", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -92,30 +105,42 @@ def main() -> None:
     args = parser.parse_args()
     faiss.omp_set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     generator = ClusteredVectors(seed=0)
     queries = generator.draw(max(args.batches), QUERY_STREAM, 0)
     rows = []
     for size in tqdm(args.sizes, desc="sizes"):
         keys = np.concatenate([generator.draw(min(65_536, size - s), KEYS_STREAM, c) for c, s in enumerate(range(0, size, 65_536))])
-        found = backends(keys, max(args.ks))
-        exact = {k: found["torch flat"][0](queries, k) for k in args.ks}
-        for name, (search, build_s, factory) in found.items():
-            for k in args.ks:
-                ids = search(queries, k)
-                recall = float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(ids, exact[k])]))
-                for batch in args.batches:
-                    q = np.ascontiguousarray(queries[:batch])
-                    rows.append(
-                        {"backend": name, "factory": factory, "entries": size, "k": k, "batch": batch}
-                        | {"recall": round(recall, 4), "build_s": round(build_s, 1)}
-                        | timed(lambda q=q, k=k, search=search: search(q, k), args.repeats)
-                    )
+        found = backends(keys)
+        for k in args.ks:
+            exact = found["torch flat"][0](queries, k)
+            recall = {
+                name: float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(search(queries, k), exact)]))
+                for name, (search, *_) in found.items()
+            }
+            for batch in args.batches:
+                q = np.ascontiguousarray(queries[:batch])
+                times = timed({name: lambda search=search: search(q, k) for name, (search, *_) in found.items()}, args.repeats)
+                rows += [
+                    {"backend": name, "factory": factory, "entries": size, "k": k, "batch": batch}
+                    | {"recall": round(recall[name], 4), "build_s": round(build_s, 1)}
+                    | times[name]
+                    for name, (_, build_s, factory) in found.items()
+                ]
         del found
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "threads": args.threads, "platform": platform.platform(), "faiss": faiss.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "threads": args.threads,
+            "platform": platform.platform(),
+            "faiss": faiss.__version__,
+            "torch": torch.__version__,
+            "load_average_1_5_15_min": {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()]},
+        },
         "dim": DIM,
         "hnsw_max_entries": HNSW_MAX,
+        "flat_crossover": flat_crossover(rows),
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -129,6 +154,27 @@ def main() -> None:
             if cells:
                 times = " | ".join(f"{r['p50_ms']:.1f}" for r in cells)
                 print(f"| {name} | {size:,} | {cells[0]['recall']:.3f} | {times} |")
+    print("\nFAISS flat / torch flat, p50 (> 1: torch faster)\n\n| k | batch | " + " | ".join(f"{s:,}" for s in args.sizes) + " |")
+    print("|---:|---:|" + "---:|" * len(args.sizes))
+    for k in args.ks:
+        for batch in args.batches:
+            ratios = [c["faiss_over_torch"] for c in report["flat_crossover"] if c["k"] == k and c["batch"] == batch]
+            print(f"| {k} | {batch} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+
+
+def flat_crossover(rows: list[dict]) -> list[dict]:
+    """Per (k, batch, entries): FAISS flat's p50 over torch's, what the serving path's choice between them rests on."""
+    p50 = {(r["backend"], r["k"], r["batch"], r["entries"]): r["p50_ms"] for r in rows}
+    return [
+        {
+            "k": k,
+            "batch": batch,
+            "entries": size,
+            "faiss_over_torch": round(p50[name, k, batch, size] / p50["torch flat", k, batch, size], 3),
+        }
+        for name, k, batch, size in sorted(p50, key=lambda key: key[1:])
+        if name == "faiss flat"
+    ]
 
 
 def plot(rows: list[dict], out: Path, k: int) -> None:

@@ -12,12 +12,16 @@ corpus order across shards, which pointer following relies on.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
 
 from knnlm_core.datastore import Manifest, ShardEntry, load_values
 from knnlm_core.errors import DatastoreError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def gpu_available() -> bool:
@@ -35,7 +39,7 @@ class ShardSearcher:
         if len(self.values) != index.ntotal:
             raise DatastoreError(f"shard {shard.name}: {index.ntotal} keys but {len(self.values)} values; rebuild the datastore")
         self.on_gpu = gpu_available() if use_gpu is None else use_gpu
-        self.exact = ExactKeys.of(index)  # flat shards: searched as a torch matmul + top-k
+        self.exact = flat_keys(index, self.on_gpu)  # flat shards: searched with torch where that is faster
         if self.on_gpu and self.exact is None:
             self._gpu_resources = faiss.StandardGpuResources()  # must outlive the GPU index
             index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
@@ -61,11 +65,7 @@ class ShardSearcher:
         return out
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self.exact is not None:
-            distances, ids = self.exact.search(queries, k)
-            tokens = np.where(ids >= 0, self.values[np.maximum(ids, 0)], -1).astype(np.int32)
-            return _pad(distances, tokens, np.where(ids >= 0, ids + self.first_id, -1), k)
-        return search_index(self.index, self.values, queries, k, nprobe, first_id=self.first_id)
+        return search_index(self.index, self.values, queries, k, nprobe, first_id=self.first_id, exact=self.exact)
 
     def lookup(self, queries: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Score row i's candidate entries `ids[i]` (global ids, -1 padding; ids of other shards are
@@ -86,46 +86,81 @@ class ShardSearcher:
         return tuple(np.take_along_axis(a, order, axis=1) for a in (distances, tokens, np.where(found, ids, -1)))
 
 
-class ExactKeys:
-    """A flat shard's keys as a torch matrix: exact top-k as one matmul and `torch.topk`.
+def flat_keys(index, on_gpu: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An exact L2 index's keys [N, d] and their squared norms [N] as torch tensors for `torch_search`;
+    None for other indexes (IVF, PQ, HNSW, a PCA transform in front).
 
-    At the k kNN-LM uses (hundreds to thousands) FAISS's flat search spends most of its time in
-    top-k selection, not distances: measured here (2 threads, 576-d, batch 32, k 1024) 27 ms vs 18
-    for 17k keys and 180 vs 77 for 120k, same neighbours. On CPU the matrix is a view of the FAISS
-    index's own storage (no copy); on a GPU it is copied there once."""
+    On CPU the keys are a view of the index's own storage, so they cost no memory but are only valid
+    while the index lives (callers keep both). With `on_gpu` and a GPU torch sees, they are copied
+    there once (the CPU index stays, for `ShardSearcher.lookup` and the FAISS path)."""
+    import torch
 
-    def __init__(self, keys: np.ndarray):
-        import torch
+    if not isinstance(index, faiss.IndexFlat) or index.metric_type != faiss.METRIC_L2 or index.ntotal == 0:
+        return None
+    keys = torch.from_numpy(faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d))
+    keys = keys.to("cuda" if on_gpu and torch.cuda.is_available() else "cpu")
+    return keys, torch.linalg.vector_norm(keys, dim=1).square_()  # no [N, d] temporary, unlike (keys * keys).sum
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.keys = torch.from_numpy(keys).to(device)
-        self.norms = (self.keys * self.keys).sum(dim=1)
 
-    @classmethod
-    def of(cls, index) -> ExactKeys | None:
-        if type(index) is not faiss.IndexFlatL2 or index.ntotal == 0:
-            return None
-        return cls(faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d))
+DISTANCE_BLOCK = 1 << 26  # entries of one [queries, keys] distance block (256 MiB): bounds offline batches' memory
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(squared L2 distances, ids) [n, min(k, entries)], nearest first, as FAISS's IndexFlatL2."""
-        import torch
 
-        q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(self.keys.device)
-        distances = torch.addmm(self.norms, q, self.keys.T, alpha=-2).add_((q * q).sum(dim=1, keepdim=True))
-        values, ids = torch.topk(distances, min(k, len(self.keys)), dim=1, largest=False, sorted=True)
-        return values.clamp_(min=0).cpu().numpy(), ids.cpu().numpy().astype(np.int64)
+def torch_search(
+    keys: torch.Tensor, norms: torch.Tensor, queries: np.ndarray, k: int, keep: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(squared L2 distances, ids) [n, min(k, N)], nearest first, as IndexFlatL2 answers: one matmul
+    |K|² - 2 q·Kᵀ and `torch.topk`, then + |q|² and clamped at 0 like FAISS's own BLAS path, so
+    distances match FAISS's to fp32 rounding. At kNN-LM's k FAISS's flat search spends most of its
+    time selecting the top k; `torch_is_faster` says when this wins. Entries `keep` (bool per entry)
+    leaves out lie at +inf: past the kept ones a row holds (+inf, -1)."""
+    import torch
+
+    if keep is not None:
+        norms = norms.masked_fill(~torch.from_numpy(np.asarray(keep, dtype=bool)).to(norms.device), float("inf"))
+    q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(keys.device)
+    width = min(k, len(keys))
+    parts = []
+    for block in q.split(max(1, DISTANCE_BLOCK // len(keys))):
+        scores = torch.addmm(norms, block, keys.T, alpha=-2)
+        values, ids = torch.topk(scores, width, dim=1, largest=False, sorted=True)
+        parts.append((values.add_((block * block).sum(dim=1, keepdim=True)).clamp_(min=0), ids))
+    distances = torch.cat([d for d, _ in parts]).cpu().numpy()
+    ids = torch.cat([i for _, i in parts]).cpu().numpy()
+    return distances, np.where(np.isfinite(distances), ids, -1)
+
+
+def torch_is_faster(k: int, batch: int, entries: int, device: str) -> bool:
+    """Whether `torch_search` beats FAISS's flat search for this call, from the measured curve."""
+    return True
 
 
 def search_index(
-    index, values: np.ndarray, queries: np.ndarray, k: int, nprobe: int | None = None, keep: np.ndarray | None = None, first_id: int = 0
+    index,
+    values: np.ndarray,
+    queries: np.ndarray,
+    k: int,
+    nprobe: int | None = None,
+    keep: np.ndarray | None = None,
+    first_id: int = 0,
+    exact: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(distances, tokens, ids) [n, k] of the k nearest entries, padded with (+inf, -1, -1) past the
     index size; ids are `first_id` + the index's own.
 
     `nprobe` overrides the index's own for IVF indexes; `keep` (bool per entry) restricts the
-    search to a subset, e.g. a random fraction of the datastore."""
+    search to a subset, e.g. a random fraction of the datastore. `exact`: a flat index's keys from
+    `flat_keys`, searched with torch instead of FAISS where `torch_is_faster`."""
     queries = np.ascontiguousarray(queries, dtype=np.float32)
+    if exact is not None and torch_is_faster(k, len(queries), index.ntotal, exact[0].device.type):
+        distances, ids = torch_search(*exact, queries, k, keep)
+    else:
+        distances, ids = faiss_search(index, queries, k, nprobe, keep)
+    tokens = np.where(ids >= 0, values[np.maximum(ids, 0)], -1).astype(np.int32)
+    return _pad(np.where(ids >= 0, distances, np.inf).astype(np.float32), tokens, np.where(ids >= 0, ids + first_id, -1), k)
+
+
+def faiss_search(index, queries: np.ndarray, k: int, nprobe: int | None, keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS's own (distances, ids) [n, min(k, N)], with the nprobe and subset `search_index` takes."""
     selector = faiss.IDSelectorBatch(np.flatnonzero(keep).astype(np.int64)) if keep is not None else None
     params = None
     ivf = ivf_of(index)
@@ -135,9 +170,7 @@ def search_index(
         params = faiss.SearchParameters()
     if selector is not None:
         params.sel = selector
-    distances, ids = index.search(queries, min(k, index.ntotal), params=params)
-    tokens = np.where(ids >= 0, values[np.maximum(ids, 0)], -1).astype(np.int32)
-    return _pad(np.where(ids >= 0, distances, np.inf).astype(np.float32), tokens, np.where(ids >= 0, ids + first_id, -1), k)
+    return index.search(queries, min(k, index.ntotal), params=params)
 
 
 def ivf_of(index):
@@ -191,11 +224,16 @@ def search_many(
     shards: list[tuple], queries: np.ndarray, k: int, nprobe: int | None = None, *, progress: bool = False, desc: str = "search"
 ):
     """The merged top-k (distances, tokens, ids [n, k]) of many queries over `shards`, a list of
-    (index, values, keep-mask or None, first id): offline searches (calibration, knnlm-eval), in batches."""
+    (index, values, keep-mask or None, first id): offline searches (calibration, knnlm-eval), in batches.
+    Flat indexes search with torch (`flat_keys`: on a GPU, a copy of their keys there while this runs)."""
     from tqdm import tqdm
 
+    exact = [flat_keys(index, gpu_available()) for index, *_ in shards]
     parts = []
     for i in tqdm(range(0, len(queries), SEARCH_BATCH), desc=desc, disable=not progress):
         q = queries[i : i + SEARCH_BATCH]
-        parts.append(merge_topk([search_index(index, values, q, k, nprobe, keep, first) for index, values, keep, first in shards], k))
+        answers = [
+            search_index(index, values, q, k, nprobe, keep, first, keys) for (index, values, keep, first), keys in zip(shards, exact)
+        ]
+        parts.append(merge_topk(answers, k))
     return tuple(np.concatenate(column) for column in zip(*parts))

@@ -1,6 +1,8 @@
-"""Exact search of flat shards with torch gives FAISS's answers."""
+"""Exact search of flat shards with torch gives FAISS's answers, whichever path a call takes."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import faiss
 import numpy as np
@@ -9,34 +11,69 @@ import pytest
 from index_builder.build import build_from_keys
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import ModelIdentity, read_manifest
-from knnlm_core.search import ExactKeys, open_shards
+from knnlm_core.search import faiss_search, flat_keys, open_shards, search_index, search_many, torch_search
 
 
-@pytest.mark.parametrize("batch, k", [(1, 8), (32, 1024), (5, 3000)])
-def test_torch_exact_search_equals_faiss_flat(batch, k):
-    rng = np.random.default_rng(0)
-    keys = rng.normal(size=(2000, 64)).astype(np.float32)
-    queries = rng.normal(size=(batch, 64)).astype(np.float32)
-    index = faiss.IndexFlatL2(64)
+def flat_index(keys: np.ndarray) -> faiss.IndexFlatL2:
+    index = faiss.IndexFlatL2(keys.shape[1])
     index.add(keys)
-    expected_d, expected_ids = index.search(queries, min(k, 2000))
-    distances, ids = ExactKeys.of(index).search(queries, k)
+    return index
+
+
+def assert_same_neighbours(expected: tuple[np.ndarray, np.ndarray], found: tuple[np.ndarray, np.ndarray], values: np.ndarray) -> None:
+    """Same distances to fp32 rounding and, row by row, the same multiset of tokens (ties may swap ids)."""
+    (expected_d, expected_ids), (distances, ids) = expected, found
     assert ids.shape == expected_ids.shape
     np.testing.assert_allclose(distances, expected_d, rtol=1e-4, atol=1e-3)
-    assert np.mean(ids == expected_ids) > 0.999  # ties aside, the same neighbours in the same order
+    for row, expected_row in zip(ids, expected_ids):
+        assert Counter(values[row[row >= 0]].tolist()) == Counter(values[expected_row[expected_row >= 0]].tolist())
 
 
-def test_a_flat_shard_searches_with_torch_and_pads_past_its_size(tmp_path):
+@pytest.mark.parametrize("batch, k", [(1, 8), (1, 1024), (32, 1024), (5, 3000)])
+def test_torch_search_equals_faiss_flat(batch, k):
+    rng = np.random.default_rng(0)
+    keys, values = rng.normal(size=(2000, 64)).astype(np.float32), rng.integers(0, 50, 2000)
+    queries = np.concatenate([keys[:1] + 1e-4, rng.normal(size=(batch - 1, 64))]).astype(np.float32)  # one near-zero distance
+    index = flat_index(keys)
+    distances, ids = torch_search(*flat_keys(index, on_gpu=False), queries, k)
+    assert_same_neighbours(index.search(queries, min(k, 2000)), (distances, ids), values)
+    assert np.all(distances >= 0) and np.all(np.diff(distances, axis=1) >= 0)
+
+
+def test_a_keep_mask_leaves_the_same_entries_out_as_faiss():
+    rng = np.random.default_rng(2)
+    keys, values = rng.normal(size=(500, 16)).astype(np.float32), rng.integers(0, 30, 500)
+    queries, keep = rng.normal(size=(32, 16)).astype(np.float32), rng.random(500) < 0.3
+    index = flat_index(keys)
+    distances, ids = torch_search(*flat_keys(index, on_gpu=False), queries, 700, keep)
+    kept = int(keep.sum())
+    assert np.all(keep[ids[:, :kept]]) and np.all(ids[:, kept:] == -1) and np.all(np.isinf(distances[:, kept:]))
+    expected_d, expected_ids = faiss_search(index, queries, 700, None, keep)
+    assert_same_neighbours((expected_d[:, :kept], expected_ids[:, :kept]), (distances[:, :kept], ids[:, :kept]), values)
+    by_search_index = search_index(index, values, queries, 700, keep=keep, exact=flat_keys(index, on_gpu=False))
+    np.testing.assert_allclose(by_search_index[0][:, :kept], expected_d[:, :kept], rtol=1e-4, atol=1e-3)
+
+
+def test_flat_shards_answer_as_faiss_through_shard_searcher_and_search_many(tmp_path):
     rng = np.random.default_rng(1)
-    keys, values = rng.normal(size=(300, 32)).astype(np.float32), rng.integers(0, 1000, 300)
+    keys, values = rng.normal(size=(3000, 32)).astype(np.float32), rng.integers(0, 1000, 3000)
     model = ModelIdentity(name="m", fingerprint="f", hidden_size=32, vocab_size=1000, dtype="float32")
     build_from_keys(keys, values, tmp_path / "ds", model, BuildConfig(index="flat", shards=2), source="test", progress=False)
     shards = open_shards(tmp_path / "ds", read_manifest(tmp_path / "ds"))
     assert all(s.exact is not None for s in shards)
-    queries = keys[:4] + 1e-3
-    for shard in shards:
-        distances, tokens, ids = shard.search(queries, 200)
-        assert distances.shape == (4, 200) and np.all(np.isinf(distances[:, shard.ntotal :])) and np.all(ids[:, shard.ntotal :] == -1)
-        found = ids[:, : shard.ntotal]
-        np.testing.assert_array_equal(tokens[:, : shard.ntotal], values[found])
-        np.testing.assert_allclose(distances[:, : shard.ntotal], ((keys[found] - queries[:, None]) ** 2).sum(2), rtol=1e-4, atol=1e-4)
+    queries = rng.normal(size=(32, 32)).astype(np.float32)
+    for batch, k in ((1, 64), (32, 1024), (32, 2000)):  # FAISS's and torch's sides of the crossover; k past the shard size
+        q = queries[:batch]
+        for shard in shards:
+            distances, tokens, ids = shard.search(q, k)
+            expected_d, expected_local = faiss_search(shard.index, q, k, None, None)
+            width = expected_local.shape[1]
+            assert distances.shape == (batch, k) and np.all(np.isinf(distances[:, width:])) and np.all(ids[:, width:] == -1)
+            np.testing.assert_array_equal(tokens[:, :width], shard.values[ids[:, :width] - shard.first_id])
+            assert_same_neighbours(
+                (expected_d, expected_local + shard.first_id), (distances[:, :width], ids[:, :width]), np.asarray(values)
+            )
+    merged_d, merged_tokens, merged_ids = search_many([(s.index, s.values, None, s.first_id) for s in shards], queries, 1024)
+    expected_d, expected_ids = flat_index(keys).search(queries, 1024)
+    assert_same_neighbours((expected_d, expected_ids), (merged_d, merged_ids), np.asarray(values))
+    np.testing.assert_array_equal(merged_tokens, np.asarray(values)[merged_ids])

@@ -87,13 +87,14 @@ class KnnMixer:
             metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
         for reason in result.failed_shards.values():
             metrics.FALLBACKS.labels(info.name, reason).inc(len(params))
-        distances, tokens, ids = result.distances, result.tokens, result.ids
         metrics.RETRIEVAL_STEPS.labels(info.name).inc()
         metrics.QUERIES.labels(info.name).inc(int((~follow).sum()))
         metrics.POINTER_ROWS.labels(info.name).inc(int(follow.sum()))
         metrics.NEIGHBOURS.labels(info.name).inc(int(ks.sum()))
-        beyond_k = np.arange(distances.shape[1])[None, :] >= ks[:, None]  # rows that asked for fewer
-        distances[beyond_k], tokens[beyond_k], ids[beyond_k] = np.inf, -1, -1
+        # Rows that asked for fewer neighbours are padded (new arrays: Ray's answers are read-only views).
+        beyond_k = np.arange(result.distances.shape[1])[None, :] >= ks[:, None]
+        distances = np.where(beyond_k, np.float32(np.inf), result.distances)
+        tokens, ids = np.where(beyond_k, -1, result.tokens), np.where(beyond_k, -1, result.ids)
         return Neighbours(
             distances,
             tokens,
