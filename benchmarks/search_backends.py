@@ -7,8 +7,10 @@ IVF-Flat, IVF-PQ (the builder's `ivfpq` preset at nprobe 32, trained on a sample
 entries, as its construction takes minutes per 100k keys on 2 cores).
 Keys are the synthetic clustered 576-d vectors of `retrieval_latency.py` (same generator), queries
 a held-out stream of the same clusters. Recall is |returned ∩ exact top-k| / k. FAISS and torch
-run with the same thread count; the machine's load average is recorded, as other work on a shared
-machine slows multi-threaded searches most.
+run with the same thread count (`--threads`); the two exact searches are timed again with
+`--flat-threads` (default 1), as which of them is faster for a single query depends on it. The
+backends take turns within each repeat and the machine's load average is recorded: other work on
+a shared machine slows multi-threaded searches most, so compare within a run, and prefer min_ms.
 
     .venv/bin/python benchmarks/search_backends.py                 # ~10 min on 2 cores
     .venv/bin/python benchmarks/search_backends.py --sizes 10000 100000 1000000   # 1M: + ~10 min
@@ -94,17 +96,43 @@ def backends(keys: np.ndarray) -> dict:
     return out
 
 
+def set_threads(threads: int) -> None:
+    faiss.omp_set_num_threads(threads)
+    torch.set_num_threads(threads)
+
+
+def measure(found: dict, size: int, queries: np.ndarray, args: argparse.Namespace, threads: int) -> list[dict]:
+    """One row per (backend, k, batch): times and recall@k against the exact answer."""
+    rows = []
+    for k in args.ks:
+        exact = found["torch flat"][0](queries, k)
+        recall = {
+            name: float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(search(queries, k), exact)]))
+            for name, (search, *_) in found.items()
+        }
+        for batch in args.batches:
+            q = np.ascontiguousarray(queries[:batch])
+            times = timed({name: lambda search=search: search(q, k) for name, (search, *_) in found.items()}, args.repeats)
+            rows += [
+                {"backend": name, "factory": factory, "entries": size, "k": k, "batch": batch, "threads": threads}
+                | {"recall": round(recall[name], 4), "build_s": round(build_s, 1)}
+                | times[name]
+                for name, (_, build_s, factory) in found.items()
+            ]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[3_000, 10_000, 30_000, 100_000, 300_000])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--ks", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--flat-threads", type=int, nargs="*", default=[1], help="also time the two exact searches with these threads")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    faiss.omp_set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     load_before = os.getloadavg()
     generator = ClusteredVectors(seed=0)
     queries = generator.draw(max(args.batches), QUERY_STREAM, 0)
@@ -112,21 +140,11 @@ def main() -> None:
     for size in tqdm(args.sizes, desc="sizes"):
         keys = np.concatenate([generator.draw(min(65_536, size - s), KEYS_STREAM, c) for c, s in enumerate(range(0, size, 65_536))])
         found = backends(keys)
-        for k in args.ks:
-            exact = found["torch flat"][0](queries, k)
-            recall = {
-                name: float(np.mean([len(np.intersect1d(a, b)) / k for a, b in zip(search(queries, k), exact)]))
-                for name, (search, *_) in found.items()
-            }
-            for batch in args.batches:
-                q = np.ascontiguousarray(queries[:batch])
-                times = timed({name: lambda search=search: search(q, k) for name, (search, *_) in found.items()}, args.repeats)
-                rows += [
-                    {"backend": name, "factory": factory, "entries": size, "k": k, "batch": batch}
-                    | {"recall": round(recall[name], 4), "build_s": round(build_s, 1)}
-                    | times[name]
-                    for name, (_, build_s, factory) in found.items()
-                ]
+        rows += measure(found, size, queries, args, args.threads)
+        for threads in args.flat_threads:  # the choice between the two exact searches depends on threads
+            set_threads(threads)
+            rows += measure({name: found[name] for name in ("faiss flat", "torch flat")}, size, queries, args, threads)
+        set_threads(args.threads)
         del found
     report = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -145,53 +163,68 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    plot(rows, args.out.with_suffix(".png"), max(args.ks))
-    print(f"\n| backend | entries | recall@{max(args.ks)} | " + " | ".join(f"batch {b} ms" for b in args.batches) + " |")
+    plot(rows, args.out.with_suffix(".png"), max(args.ks), args.threads)
+    main_rows = [r for r in rows if r["threads"] == args.threads]
+    print(
+        f"\n{args.threads} threads, p50 ms\n\n| backend | entries | recall@{max(args.ks)} | "
+        + " | ".join(f"batch {b}" for b in args.batches)
+        + " |"
+    )
     print("|---|---:|---:|" + "---:|" * len(args.batches))
-    for name in dict.fromkeys(r["backend"] for r in rows):
+    for name in dict.fromkeys(r["backend"] for r in main_rows):
         for size in args.sizes:
-            cells = [r for r in rows if r["backend"] == name and r["entries"] == size and r["k"] == max(args.ks)]
+            cells = [r for r in main_rows if r["backend"] == name and r["entries"] == size and r["k"] == max(args.ks)]
             if cells:
-                times = " | ".join(f"{r['p50_ms']:.1f}" for r in cells)
-                print(f"| {name} | {size:,} | {cells[0]['recall']:.3f} | {times} |")
-    print("\nFAISS flat / torch flat, p50 (> 1: torch faster)\n\n| k | batch | " + " | ".join(f"{s:,}" for s in args.sizes) + " |")
-    print("|---:|---:|" + "---:|" * len(args.sizes))
-    for k in args.ks:
-        for batch in args.batches:
-            ratios = [c["faiss_over_torch"] for c in report["flat_crossover"] if c["k"] == k and c["batch"] == batch]
-            print(f"| {k} | {batch} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
+                print(f"| {name} | {size:,} | {cells[0]['recall']:.3f} | " + " | ".join(f"{r['p50_ms']:.1f}" for r in cells) + " |")
+    print(
+        "\nFAISS flat / torch flat, p50 (min) (> 1: torch faster)\n\n| threads | k | batch | "
+        + " | ".join(f"{s:,}" for s in args.sizes)
+        + " |"
+    )
+    print("|---:|---:|---:|" + "---:|" * len(args.sizes))
+    for threads, k, batch in dict.fromkeys((c["threads"], c["k"], c["batch"]) for c in report["flat_crossover"]):
+        cells = [c for c in report["flat_crossover"] if (c["threads"], c["k"], c["batch"]) == (threads, k, batch)]
+        print(f"| {threads} | {k} | {batch} | " + " | ".join(f"{c['p50_ratio']:.2f} ({c['min_ratio']:.2f})" for c in cells) + " |")
 
 
 def flat_crossover(rows: list[dict]) -> list[dict]:
-    """Per (k, batch, entries): FAISS flat's p50 over torch's, what the serving path's choice between them rests on."""
-    p50 = {(r["backend"], r["k"], r["batch"], r["entries"]): r["p50_ms"] for r in rows}
+    """Per (threads, k, batch, entries): FAISS flat's time over torch's (p50 and min; the min is what
+    load from elsewhere on the machine distorts least), what the choice between them rests on."""
+    flat = {(r["backend"], r["threads"], r["k"], r["batch"], r["entries"]): r for r in rows if r["backend"] in ("faiss flat", "torch flat")}
     return [
-        {
-            "k": k,
-            "batch": batch,
-            "entries": size,
-            "faiss_over_torch": round(p50[name, k, batch, size] / p50["torch flat", k, batch, size], 3),
+        {"threads": threads, "k": k, "batch": batch, "entries": size}
+        | {
+            f"{stat}_ratio": round(r[f"{stat}_ms"] / flat["torch flat", threads, k, batch, size][f"{stat}_ms"], 3)
+            for stat in ("p50", "min")
         }
-        for name, k, batch, size in sorted(p50, key=lambda key: key[1:])
+        for (name, threads, k, batch, size), r in sorted(flat.items(), key=lambda item: item[0][1:])
         if name == "faiss flat"
     ]
 
 
-def plot(rows: list[dict], out: Path, k: int) -> None:
+def plot(rows: list[dict], out: Path, k: int, threads: int) -> None:
+    """Time against size per backend, a panel per batch size; exact searches at other thread counts dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     batches = sorted({r["batch"] for r in rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), sharey=True)
-    for ax, batch in zip(np.atleast_1d(axes), batches):
-        for name in dict.fromkeys(r["backend"] for r in rows):
-            cells = [r for r in rows if r["backend"] == name and r["batch"] == batch and r["k"] == k]
-            ax.plot([r["entries"] for r in cells], [r["p50_ms"] for r in cells], marker="o", ms=3, label=name)
+    cols = min(3, len(batches))
+    fig, axes = plt.subplots(
+        -(-len(batches) // cols), cols, figsize=(4.5 * cols, 3.8 * -(-len(batches) // cols)), sharey=True, squeeze=False
+    )
+    for ax in axes.flat[len(batches) :]:
+        ax.set_visible(False)
+    for ax, batch in zip(axes.flat, batches):
+        for name, t in dict.fromkeys((r["backend"], r["threads"]) for r in rows):
+            cells = [r for r in rows if (r["backend"], r["threads"], r["batch"], r["k"]) == (name, t, batch, k)]
+            label, style = (name, "-") if t == threads else (f"{name}, {t} thread{'s' * (t > 1)}", "--")
+            ax.plot([r["entries"] for r in cells], [r["p50_ms"] for r in cells], style, marker="o", ms=3, label=label)
         ax.set(xscale="log", yscale="log", title=f"batch {batch}, k = {k}", xlabel="entries in the shard")
-    np.atleast_1d(axes)[0].set_ylabel("search time per step, p50 ms")
-    np.atleast_1d(axes)[-1].legend(fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(f"search time per step, p50 ms ({threads} threads)")
+    axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

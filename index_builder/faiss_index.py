@@ -15,11 +15,12 @@ from knnlm_core.errors import ConfigError
 from knnlm_core.search import gpu_available, ivf_of
 
 PRESETS = ("auto", "flat", "ivfpq", "hnsw")
-# `--index auto`: exact below this many entries, IVF-PQ above. From benchmarks/search_backends.json
-# (2 threads, 576-d, batch 32, k 1024): exact search (torch, as flat shards are served) takes 7.5 /
-# 23 / 57 / 173 ms at 10k / 30k / 100k / 300k entries, IVF-PQ 6.4 / 8.3 / 11.4 / 15.8 ms. Exact
-# stays within ~3x of IVF-PQ (≈ 30 ms a step, a fifth of a c32 decode step here) up to ~50k.
-AUTO_FLAT_BELOW = 50_000
+# `--index auto`: exact below this many entries, IVF-PQ above: exact while its search costs at
+# most ~3x IVF-PQ's. From benchmarks/results/search_backends.json (2 threads, 576-d, batch 32, k
+# 1024, p50): the exact search flat shards use (torch) takes 7.6 / 16 / 32 / 82 / 244 ms at 3k /
+# 10k / 30k / 100k / 300k entries, IVF-PQ (nprobe 32) 11 / 10 / 10 / 16 / 23 ms: 3.2x at 30k,
+# 5.0x at 100k (FAISS's own flat search: 87 ms at 30k).
+AUTO_FLAT_BELOW = 30_000
 DEFAULT_NPROBE = 32
 
 

@@ -7,6 +7,9 @@ A shard answers `search(queries, k, nprobe) -> (distances, token_ids, entry_ids)
 fewer than k entries are padded with distance +inf, token -1 and id -1, so answers from shards
 of any size merge. Entry ids are global (the shard's first id plus its FAISS id): entries are in
 corpus order across shards, which pointer following relies on.
+
+Exact (flat) shards are searched as one torch matmul + `torch.topk` (`torch_search`) wherever the
+measured curve says that beats FAISS's own flat search (`torch_is_faster`), other indexes by FAISS.
 """
 
 from __future__ import annotations
@@ -103,6 +106,11 @@ def flat_keys(index, on_gpu: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 DISTANCE_BLOCK = 1 << 26  # entries of one [queries, keys] distance block (256 MiB): bounds offline batches' memory
+# Below this many queries the matmul runs as keys @ queriesᵀ: MKL then streams the keys once
+# instead of packing them. Measured here (100k keys, 1 thread, k 1024): 21 vs 40 ms at batch 4,
+# 33 vs 46 at 8, even at 16, 105 vs 91 at 32. A single query is padded to two rows: as a matrix-
+# vector product MKL takes 22 ms, as a 2-row matmul 13 (17k keys: 3.5 vs 2.5 ms).
+KEYS_MAJOR_BELOW = 16
 
 
 def torch_search(
@@ -121,17 +129,33 @@ def torch_search(
     width = min(k, len(keys))
     parts = []
     for block in q.split(max(1, DISTANCE_BLOCK // len(keys))):
-        scores = torch.addmm(norms, block, keys.T, alpha=-2)
-        values, ids = torch.topk(scores, width, dim=1, largest=False, sorted=True)
+        rows = block.repeat(2, 1) if len(block) == 1 else block  # a 2-row matmul beats MKL's matrix-vector product
+        if len(rows) < KEYS_MAJOR_BELOW:
+            scores = torch.addmm(norms[:, None], keys, rows.T, alpha=-2).T
+        else:
+            scores = torch.addmm(norms, rows, keys.T, alpha=-2)
+        values, ids = torch.topk(scores[: len(block)], width, dim=1, largest=False, sorted=True)
         parts.append((values.add_((block * block).sum(dim=1, keepdim=True)).clamp_(min=0), ids))
     distances = torch.cat([d for d, _ in parts]).cpu().numpy()
     ids = torch.cat([i for _, i in parts]).cpu().numpy()
     return distances, np.where(np.isfinite(distances), ids, -1)
 
 
-def torch_is_faster(k: int, batch: int, entries: int, device: str) -> bool:
-    """Whether `torch_search` beats FAISS's flat search for this call, from the measured curve."""
-    return True
+def torch_is_faster(batch: int, entries: int, device: str) -> bool:
+    """Whether `torch_search` beats FAISS's flat search for `batch` queries over `entries` keys.
+
+    From benchmarks/results/search_backends.json (576-d keys, p50 ms FAISS / torch at k 1024; k 64
+    alike): FAISS's scan wins on little work, torch's matmul + top-k from about 32k query-key pairs
+    on: at 1 thread 1.35 / 1.52 for 4 x 3k, 3.23 / 2.63 for 4 x 10k, 11.0 / 5.7 for 2 x 30k, 153 /
+    34 for 32 x 30k; at 2 threads 0.82 / 3.21 for 4 x 3k, 87 / 32 for 32 x 30k. A single query is the
+    exception: FAISS splits its scan across threads and loses from 10k keys (2 threads, 2.7 / 1.4
+    at 10k, 81 / 32 at 300k), though single-threaded it is as fast (39 / 40 at 300k). On a GPU
+    torch always wins."""
+    if device == "cuda":
+        return True
+    if batch == 1 and faiss.omp_get_max_threads() > 1:
+        return entries >= 10_000
+    return batch * entries >= 32_768
 
 
 def search_index(
@@ -151,7 +175,7 @@ def search_index(
     search to a subset, e.g. a random fraction of the datastore. `exact`: a flat index's keys from
     `flat_keys`, searched with torch instead of FAISS where `torch_is_faster`."""
     queries = np.ascontiguousarray(queries, dtype=np.float32)
-    if exact is not None and torch_is_faster(k, len(queries), index.ntotal, exact[0].device.type):
+    if exact is not None and torch_is_faster(len(queries), index.ntotal, exact[0].device.type):
         distances, ids = torch_search(*exact, queries, k, keep)
     else:
         distances, ids = faiss_search(index, queries, k, nprobe, keep)

@@ -11,7 +11,7 @@ import pytest
 from index_builder.build import build_from_keys
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import ModelIdentity, read_manifest
-from knnlm_core.search import faiss_search, flat_keys, open_shards, search_index, search_many, torch_search
+from knnlm_core.search import faiss_search, flat_keys, open_shards, search_index, search_many, torch_is_faster, torch_search
 
 
 def flat_index(keys: np.ndarray) -> faiss.IndexFlatL2:
@@ -40,6 +40,11 @@ def test_torch_search_equals_faiss_flat(batch, k):
     assert np.all(distances >= 0) and np.all(np.diff(distances, axis=1) >= 0)
 
 
+def test_small_searches_go_to_faiss_large_ones_to_torch():
+    assert not torch_is_faster(4, 3_000, "cpu") and torch_is_faster(4, 10_000, "cpu") and torch_is_faster(32, 3_000, "cpu")
+    assert torch_is_faster(1, 100, "cuda")
+
+
 def test_a_keep_mask_leaves_the_same_entries_out_as_faiss():
     rng = np.random.default_rng(2)
     keys, values = rng.normal(size=(500, 16)).astype(np.float32), rng.integers(0, 30, 500)
@@ -54,15 +59,25 @@ def test_a_keep_mask_leaves_the_same_entries_out_as_faiss():
     np.testing.assert_allclose(by_search_index[0][:, :kept], expected_d[:, :kept], rtol=1e-4, atol=1e-3)
 
 
-def test_flat_shards_answer_as_faiss_through_shard_searcher_and_search_many(tmp_path):
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    """Both sides of `torch_is_faster`'s single-query rule: FAISS when it runs single-threaded."""
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(request.param)
+    yield request.param
+    faiss.omp_set_num_threads(before)
+
+
+def test_flat_shards_answer_as_faiss_through_shard_searcher_and_search_many(tmp_path, threads):
     rng = np.random.default_rng(1)
-    keys, values = rng.normal(size=(3000, 32)).astype(np.float32), rng.integers(0, 1000, 3000)
+    keys, values = rng.normal(size=(24_000, 32)).astype(np.float32), rng.integers(0, 1000, 24_000)
     model = ModelIdentity(name="m", fingerprint="f", hidden_size=32, vocab_size=1000, dtype="float32")
     build_from_keys(keys, values, tmp_path / "ds", model, BuildConfig(index="flat", shards=2), source="test", progress=False)
     shards = open_shards(tmp_path / "ds", read_manifest(tmp_path / "ds"))
     assert all(s.exact is not None for s in shards)
     queries = rng.normal(size=(32, 32)).astype(np.float32)
-    for batch, k in ((1, 64), (32, 1024), (32, 2000)):  # FAISS's and torch's sides of the crossover; k past the shard size
+    for batch, k in ((1, 64), (1, 1024), (32, 1024), (32, 13_000)):  # k past the shard size too
+        assert torch_is_faster(batch, 12_000, "cpu") == (batch > 1 or threads > 1)
         q = queries[:batch]
         for shard in shards:
             distances, tokens, ids = shard.search(q, k)
