@@ -2,8 +2,7 @@
 
 One timed call is what one decode step does: the step's batch of queries goes to
 `retriever.search(datastore, queries, k=1024, nprobe=32)` and comes back as the merged global
-top-k. Every (shards, batch) cell runs the local backend and then the Ray backend back to back,
-so load from anything else on the machine hits both alike.
+top-k.
 
 The datastore is synthetic but built by the index builder itself (`build_from_keys`): keys of
 dimension 576 (SmolLM2-135M's hidden size) from 4096 Gaussian clusters of uneven popularity and
@@ -14,10 +13,15 @@ same keys, as IVF-PQ with the project's `index_factory_string("ivfpq", entries, 
 (IVF4096,PQ64 at 1M) trained on `--train-sample` keys with the same seed. The builds are cached
 under `--workdir` and reused when their parameters match.
 
+Each cell times the in-process backend and a Ray one in turn on the same queries: first plain
+actor calls (`RayRetriever(compiled=False)`, the transport before Ray Compiled Graphs, with no
+graph on the actors), then `RayRetriever` on its compiled graphs (one per shard, torn down
+before the next layout). Ray overhead is ray p50 - local p50 of the same cell (negative when
+Ray's parallel shards beat the in-process sequential loop over shards); the report's
+`ray_overhead_p50_ms` lists it for both transports.
+
 Besides the end-to-end cells, batch 32 is broken down: per-shard FAISS search, `merge_topk`, and
-`knnlm_serve.interpolate.interpolate` over a 49,152-token vocabulary (torch, CPU). Ray overhead
-is ray p50 - local p50 of the same cell (negative when Ray's parallel shards beat the
-in-process sequential loop over shards).
+`knnlm_serve.interpolate.interpolate` over a 49,152-token vocabulary (torch, CPU).
 
     .venv/bin/python benchmarks/retrieval_latency.py                       # 1M entries, ~10 min first run
     .venv/bin/python benchmarks/retrieval_latency.py --entries 200000 --batch-sizes 1 32 --repeats 20
@@ -238,6 +242,24 @@ def timed(fn, make_args, warmup: int, repeats: int) -> list[float]:
     return out
 
 
+def timed_in_turn(fns: dict, make_args, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """`timed` for several backends at once: each repeat times every backend once on the same
+    arguments, in turn (alternating the order), so load from elsewhere on the machine hits them alike."""
+    names = list(fns)
+    for _ in range(warmup):
+        args = make_args()
+        for name in names:
+            fns[name](*args)
+    out: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        args = make_args()
+        for name in names if i % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            fns[name](*args)
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
 def probe_ray_worker_threads() -> dict:
     """What a worker started like a ShardActor (num_cpus=0) sees: OMP_NUM_THREADS and FAISS threads."""
     import ray
@@ -291,7 +313,9 @@ def _cpu_model() -> str | None:
 
 
 class Retrievers:
-    """The project's two backends behind one call, `search(backend, name, queries, k, nprobe)`.
+    """The project's backends behind one call, `search(backend, name, queries, k, nprobe)`: `local`
+    (in-process), `ray` (RayRetriever: a Ray Compiled Graph per shard actor) and `ray_plain`
+    (RayRetriever without graphs: plain actor calls, the transport before compiled graphs).
 
     The slowest shard's in-actor search time is kept per Ray call, to split Ray's time into
     search and transport."""
@@ -302,19 +326,53 @@ class Retrievers:
         self.runtime = runtime
         # Keep the handles: named actors without a live handle are garbage-collected.
         self.actors = [a for info in runtime.datastores.values() for a in r.start_shard_actors(info, runtime.knn)]
-        self.backends = {"local": r.LocalRetriever(runtime.knn), "ray": r.RayRetriever(runtime.knn, runtime.ray_address)}
-        self.slowest_shard_s: list[float] = []
+        self.backends = {
+            "local": r.LocalRetriever(runtime.knn),
+            "ray": r.RayRetriever(runtime.knn, runtime.ray_address),
+            "ray_plain": r.RayRetriever(runtime.knn, runtime.ray_address, compiled=False),
+        }
+        self.slowest_shard_s: dict[str, list[float]] = {"ray": [], "ray_plain": []}
 
     def search(self, backend: str, name: str, queries: np.ndarray, k: int, nprobe: int):
         result = self.backends[backend].search(self.runtime.datastores[name], queries, k, nprobe)
         if result.failed_shards:
             raise RuntimeError(f"{backend} search of {name}: shards failed: {result.failed_shards}")
-        if backend == "ray":
-            self.slowest_shard_s.append(max(result.shard_seconds.values()))
+        if backend in self.slowest_shard_s:
+            self.slowest_shard_s[backend].append(max(result.shard_seconds.values()))
         return result
 
     def caller(self, backend: str):
         return lambda *a: self.search(backend, *a)
+
+    def compile(self, name: str, query: np.ndarray, timeout: float = 300.0) -> float:
+        """Seconds until every shard of `name` is on its compiled graph (built in the background
+        from the first search; plain calls answer meanwhile)."""
+        info, ray_backend = self.runtime.datastores[name], self.backends["ray"]
+        t0 = time.monotonic()
+        while ray_backend.compiled_shards(info) != info.shards:
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"{name}: compiled graphs not ready after {timeout:.0f} s")
+            ray_backend.search(info, query, K, NPROBE)
+            time.sleep(0.1)
+        return time.monotonic() - t0
+
+    def release_graphs(self) -> None:
+        """Tear the compiled graphs down, so that their idle actors stop polling before the next layout."""
+        self.backends["ray"].release(set())
+
+
+def measure_cell(retrievers: Retrievers, backends: tuple[str, str], name: str, batch: int, repeats: int, pool, warmup: int) -> dict:
+    """In-process vs one Ray backend on the same queries, in turn: each one's stats and the Ray overhead."""
+    local, ray_backend = backends
+    retrievers.slowest_shard_s[ray_backend].clear()
+    fns = {b: retrievers.caller(b) for b in backends}
+    samples = timed_in_turn(fns, lambda: (name, pool.next(batch), K, NPROBE), warmup, repeats)
+    out = {"local": stats_ms(samples[local], batch), "ray": stats_ms(samples[ray_backend], batch)}
+    in_actor = np.asarray(retrievers.slowest_shard_s[ray_backend][-repeats:]) * 1e3
+    out["ray"]["slowest_shard_search_p50_ms"] = round(float(np.percentile(in_actor, 50)), 3)
+    out["ray_overhead_p50_ms"] = round(out["ray"]["p50_ms"] - out["local"]["p50_ms"], 3)
+    out["ray_overhead_mean_ms"] = round(out["ray"]["mean_ms"] - out["local"]["mean_ms"], 3)
+    return out
 
 
 def measure(args, record: dict, final: Path) -> dict:
@@ -351,21 +409,26 @@ def measure(args, record: dict, final: Path) -> dict:
         worker_threads = probe_ray_worker_threads()
         log(f"ray + local: loaded in {load_s:.1f} s; ray workers see {worker_threads}")
 
-        cells = []
+        cells, graph_build_s = [], {}
         for n in SHARD_COUNTS:
+            name = names[n]
+            # Before: plain actor calls, with no compiled graph on these actors. After: the graphs.
+            plain = {
+                b: measure_cell(retrievers, ("local", "ray_plain"), name, b, r, pool, args.warmup)
+                for b, r in zip(args.batch_sizes, args.repeats)
+            }
+            graph_build_s[n] = round(retrievers.compile(name, pool.next(1)), 2)
+            log(f"compiled graphs for {n} shard(s) ready in {graph_build_s[n]:.1f} s")
             for batch, repeats in zip(args.batch_sizes, args.repeats):
                 cell = {"shards": n, "batch": batch, "k": K, "nprobe": NPROBE}
-                for backend in ("local", "ray"):
-                    retrievers.slowest_shard_s.clear()
-                    samples = timed(retrievers.caller(backend), lambda: (names[n], pool.next(batch), K, NPROBE), args.warmup, repeats)
-                    cell[backend] = stats_ms(samples, batch)
-                    if backend == "ray" and retrievers.slowest_shard_s:
-                        in_actor = np.asarray(retrievers.slowest_shard_s[-repeats:]) * 1e3
-                        cell["ray"]["slowest_shard_search_p50_ms"] = round(float(np.percentile(in_actor, 50)), 3)
-                cell["ray_overhead_p50_ms"] = round(cell["ray"]["p50_ms"] - cell["local"]["p50_ms"], 3)
-                cell["ray_overhead_mean_ms"] = round(cell["ray"]["mean_ms"] - cell["local"]["mean_ms"], 3)
-                log(f"cell shards={n} batch={batch}: local p50 {cell['local']['p50_ms']:.2f} ms, ray p50 {cell['ray']['p50_ms']:.2f} ms")
+                cell.update(measure_cell(retrievers, ("local", "ray"), name, batch, repeats, pool, args.warmup))
+                cell["plain_ray_calls"] = plain[batch]
+                log(
+                    f"cell shards={n} batch={batch}: local p50 {cell['local']['p50_ms']:.2f} ms, ray p50 {cell['ray']['p50_ms']:.2f} ms "
+                    f"(+{cell['ray_overhead_p50_ms']:.2f}); before, plain calls: +{plain[batch]['ray_overhead_p50_ms']:.2f} ms"
+                )
                 cells.append(cell)
+            retrievers.release_graphs()
 
         # Where a batch-32 step's time goes: FAISS per shard, merge, interpolation.
         bb = args.breakdown_batch
@@ -398,7 +461,12 @@ def measure(args, record: dict, final: Path) -> dict:
             f"breakdown batch {bb}: merge(4 shards) p50 {breakdown['shards4']['merge_topk']['p50_ms']:.2f} ms, "
             f"interpolate p50 {breakdown['interpolate']['p50_ms']:.2f} ms"
         )
-        setup = {"ray_init_s": round(ray_init_s, 2), "actors_and_local_load_s": round(load_s, 2), "ray_worker_threads": worker_threads}
+        setup = {
+            "ray_init_s": round(ray_init_s, 2),
+            "actors_and_local_load_s": round(load_s, 2),
+            "compiled_graphs_ready_s": graph_build_s,
+            "ray_worker_threads": worker_threads,
+        }
         del retrievers
         return {"cells": cells, "breakdown": breakdown, "setup": setup}
     finally:
@@ -409,22 +477,31 @@ def measure(args, record: dict, final: Path) -> dict:
 # -------------------------------------------------------------------------------------- report
 
 
+def overhead_summary(cells: list[dict]) -> dict:
+    """ray p50 - local p50 per cell, for the compiled graphs and for the plain calls before them."""
+    return {
+        "what": "Ray overhead over in-process search: ray p50 - local p50 of the same cell (ms); "
+        "compiled_graphs is RayRetriever now, plain_calls the actor calls it used before (and falls back to)",
+        "compiled_graphs": {f"shards={c['shards']},batch={c['batch']}": c["ray_overhead_p50_ms"] for c in cells},
+        "plain_calls": {f"shards={c['shards']},batch={c['batch']}": c["plain_ray_calls"]["ray_overhead_p50_ms"] for c in cells},
+    }
+
+
 def markdown(report: dict) -> str:
     lines = [
         f"Retrieval per decode step, {report['build']['params']['entries']:,} entries, "
         f"{report['build']['params']['factory']}, k={K}, nprobe={NPROBE}, {report['machine']['cpu_count']} CPUs (ms)",
         "",
-        "| shards | batch | local p50 | local p99 | local mean | local q/s | ray p50 | ray p99 | ray mean | ray q/s "
-        "| ray − local p50 | ray: slowest shard's own search p50 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| shards | batch | local p50 | ray p50 | ray p99 | **ray − local p50** | ray: slowest shard's own search p50 "
+        "| before (plain calls): local p50 | plain ray p50 | **plain − local p50** |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in report["cells"]:
-        lo, ra = c["local"], c["ray"]
+        lo, ra, pl = c["local"], c["ray"], c["plain_ray_calls"]
         lines.append(
-            f"| {c['shards']} | {c['batch']} | {lo['p50_ms']:.2f} | {lo['p99_ms']:.2f} | {lo['mean_ms']:.2f} | "
-            f"{lo['queries_per_s']:.0f} | {ra['p50_ms']:.2f} | {ra['p99_ms']:.2f} | {ra['mean_ms']:.2f} | "
-            f"{ra['queries_per_s']:.0f} | {c['ray_overhead_p50_ms']:+.2f} | "
-            + (f"{ra['slowest_shard_search_p50_ms']:.2f} |" if "slowest_shard_search_p50_ms" in ra else "– |")
+            f"| {c['shards']} | {c['batch']} | {lo['p50_ms']:.2f} | {ra['p50_ms']:.2f} | {ra['p99_ms']:.2f} | "
+            f"{c['ray_overhead_p50_ms']:+.2f} | {ra['slowest_shard_search_p50_ms']:.2f} | "
+            f"{pl['local']['p50_ms']:.2f} | {pl['ray']['p50_ms']:.2f} | {pl['ray_overhead_p50_ms']:+.2f} |"
         )
     b = report["breakdown"]
     lines += [
@@ -521,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             "queries": "held-out draws from the same clustered distribution (4096-query pool, cycled)",
             "p99_note": "with 20-50 samples p99 is close to the maximum",
         },
+        "ray_overhead_p50_ms": overhead_summary(results["cells"]),
         **results,
         "seconds": round(time.monotonic() - started, 1),
     }

@@ -1,0 +1,143 @@
+"""RayRetriever with a real local Ray and real shard actors: compiled graphs, their plain fallback, shard faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from index_builder.build import build_from_keys
+from knnlm_core.config import BuildConfig, KnnConfig
+from knnlm_core.datastore import ModelIdentity, read_manifest
+from knnlm_serve.retrieval import LocalRetriever, RayRetriever, RetrievalError, start_shard_actors
+from knnlm_serve.runtime import DatastoreInfo
+
+DIM, K, TIMEOUT_S = 32, 64, 1.0
+NAMESPACE = f"knnlm-test-retrieval-{os.getpid()}"
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False, namespace=NAMESPACE, object_store_memory=256 * 2**20)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory, ray_session):
+    """name -> (DatastoreInfo, its shard actors): 2 shards and 1 shard over the same keys."""
+    root = tmp_path_factory.mktemp("stores")
+    rng = np.random.default_rng(0)
+    keys, values = rng.normal(size=(4000, DIM)).astype(np.float32), rng.integers(0, 1000, 4000)
+    model = ModelIdentity(name="m", fingerprint="f", hidden_size=DIM, vocab_size=1000, dtype="float32")
+    out = {}
+    for name, shards in (("two", 2), ("one", 1)):
+        build_from_keys(keys, values, root / name, model, BuildConfig(index="flat", shards=shards), source="test", progress=False)
+        info = DatastoreInfo.of(name, root / name, read_manifest(root / name))
+        out[name] = (info, start_shard_actors(info, knn()))  # the handles keep the named actors alive
+    return out
+
+
+def knn(**overrides) -> KnnConfig:
+    return KnnConfig(backend="ray", ray_namespace=NAMESPACE, gpu=False, shard_threads=1, shard_timeout_s=TIMEOUT_S, **overrides)
+
+
+def queries(n: int = 8, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, DIM)).astype(np.float32)
+
+
+def until(condition, timeout: float = 90.0, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(every)
+    return value
+
+
+def compiled(retriever: RayRetriever, info: DatastoreInfo) -> None:
+    """Search until every shard of `info` is on its compiled graph (builds start with the first search)."""
+    retriever.search(info, queries(1), 1, None)
+    until(lambda: retriever.compiled_shards(info) == info.shards)
+
+
+def assert_same(result, expected) -> None:
+    np.testing.assert_allclose(result.distances, expected.distances, rtol=1e-5)
+    np.testing.assert_array_equal(result.tokens, expected.tokens)
+    np.testing.assert_array_equal(result.ids, expected.ids)
+
+
+@pytest.fixture
+def retriever(ray_session):
+    retriever = RayRetriever(knn(), None)
+    yield retriever
+    retriever.release(set())
+
+
+def test_compiled_and_plain_calls_answer_as_in_process(stores, retriever):
+    """Also with pointer rows, and a one-shard answer (a view of the graph's channel) survives the next step."""
+    local = LocalRetriever(knn())
+    plain = RayRetriever(knn(), None, compiled=False)
+    pointers = np.full((8, 5), -1, dtype=np.int64)
+    pointers[3, :4] = [7, 2100, 3999, 15]  # a row that follows pointers, in both shards
+    for name in ("two", "one"):
+        info, _ = stores[name]
+        compiled(retriever, info)
+        first = retriever.search(info, queries(seed=1), K, None, pointers)
+        second = retriever.search(info, queries(seed=2), K, None)
+        assert first.failed_shards == {} and set(first.shard_seconds) == set(info.shards)
+        assert_same(first, local.search(info, queries(seed=1), K, None, pointers))
+        assert_same(second, local.search(info, queries(seed=2), K, None))
+        assert_same(plain.search(info, queries(seed=2), K, None), second)
+        assert retriever.compiled_shards(info) == info.shards and plain.compiled_shards(info) == []
+
+
+def test_a_stopped_shard_misses_the_deadline_and_rejoins(stores, retriever, ray_session):
+    info, actors = stores["two"]
+    compiled(retriever, info)
+    pid = ray_session.get(actors[0].describe.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for step in range(3):  # its graph times out, then plain calls do
+            start = time.monotonic()
+            result = retriever.search(info, queries(), K, None)
+            assert time.monotonic() - start < TIMEOUT_S + 0.5, f"step {step} waited past the deadline"
+            assert result.failed_shards == {"shard-000": "shard_timeout"}
+            assert (result.ids[result.ids >= 0] >= 2000).all()  # shard-001's entries only
+        retriever.knn = knn(on_shard_failure="lm_only")
+        with pytest.raises(RetrievalError) as e:
+            retriever.search(info, queries(), K, None)
+        assert e.value.reason == "shard_timeout"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    retriever.knn = knn()
+    until(lambda: not retriever.search(info, queries(), K, None).failed_shards)
+    until(lambda: retriever.compiled_shards(info) == info.shards)
+    assert_same(retriever.search(info, queries(), K, None), LocalRetriever(knn()).search(info, queries(), K, None))
+
+
+def test_a_killed_shard_actor_fails_its_steps_until_ray_restarts_it(stores, retriever, ray_session):
+    info, actors = stores["two"]
+    compiled(retriever, info)
+    before = ray_session.get(actors[1].describe.remote())["pid"]
+    ray_session.kill(actors[1], no_restart=False)
+    failed = until(lambda: retriever.search(info, queries(), K, None).failed_shards, timeout=10)
+    assert set(failed) == {"shard-001"} and failed["shard-001"] in ("shard_error", "shard_timeout")
+    until(lambda: not retriever.search(info, queries(), K, None).failed_shards)
+    until(lambda: retriever.compiled_shards(info) == info.shards)
+    assert ray_session.get(actors[1].describe.remote())["pid"] != before
+    assert_same(retriever.search(info, queries(), K, None), LocalRetriever(knn()).search(info, queries(), K, None))
+
+
+def test_release_tears_the_graphs_down_without_waiting(stores, retriever):
+    """An actor runs one graph at a time: a new graph on the same actors proves the old one is gone."""
+    info, _ = stores["two"]
+    compiled(retriever, info)
+    start = time.monotonic()
+    retriever.release(set())
+    assert time.monotonic() - start < 0.1 and retriever.compiled_shards(info) == []
+    compiled(retriever, info)
