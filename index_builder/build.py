@@ -45,6 +45,7 @@ from knnlm_core.errors import CorpusError, DatastoreError, ModelError
 from knnlm_core.files import write_json_atomic
 from knnlm_core.keys import KeyEncoder, encode_windows
 from knnlm_core.model_dir import check_model_dir, model_fingerprint
+from knnlm_core.provenance import PROVENANCE, DocumentTable
 from knnlm_core.search import set_nprobe
 from knnlm_core.windows import plan_windows, window_values
 
@@ -81,8 +82,10 @@ def build_datastore(
             corpus = _tokenize(work, files, model_dir, config, progress)
             tokens, offsets = np.load(work / "tokens.npy", mmap_mode="r"), np.load(work / "doc_offsets.npy")
             heldout = split_heldout(tokens, offsets) if config.calibrate else None
+            table = DocumentTable.read(work / "corpus_documents.json")
             if heldout is not None:
                 tokens, offsets = heldout.index_tokens, heldout.index_offsets
+                table = table.select(heldout.index_documents)
             plan = plan_windows(offsets, config.context_length, config.stride)
             if plan.entries == 0:
                 raise CorpusError(f"the corpus ({', '.join(map(str, inputs))}) has no text to index")
@@ -106,7 +109,10 @@ def build_datastore(
         manifest = _index_keys(work, keys, window_values(tokens, plan), model, config.key_type, config, corpus, stats, started, progress)
         # Each document of n tokens gives n - 1 entries (every position but its last), in corpus order.
         np.save(work / "documents.npy", np.concatenate([[0], np.cumsum(np.maximum(np.diff(offsets), 1) - 1)]).astype(np.int64))
-        manifest = manifest.model_copy(update={"documents": file_entry(work, work / "documents.npy")})
+        table.write(work / PROVENANCE)
+        manifest = manifest.model_copy(
+            update={"documents": file_entry(work, work / "documents.npy"), "provenance": file_entry(work, work / PROVENANCE)}
+        )
         calibration_started = time.monotonic()
         if heldout is not None:
             calibration = calibrate_on(
@@ -221,7 +227,8 @@ def _prepare_workdir(work: Path, identity: dict) -> None:
 
 
 def _tokenize(work: Path, files: list[Path], model_dir: Path, config: BuildConfig, progress: bool) -> CorpusStats:
-    """All documents' token ids, concatenated, with document offsets; done once per build."""
+    """All documents' token ids, concatenated, with document offsets and where each came from
+    (`corpus_documents.json`, the document table before the held-out slice); done once per build."""
     stats_file = work / "corpus.json"
     if stats_file.exists():
         return CorpusStats.model_validate_json(stats_file.read_text())
@@ -229,20 +236,25 @@ def _tokenize(work: Path, files: list[Path], model_dir: Path, config: BuildConfi
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     skipped: list[str] = []
-    lengths = []
+    lengths, origins, first_tokens = [], [], []
     raw = work / "tokens.bin"
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="tokenize", disable=not progress)
     with open(raw, "wb") as out:
-        for text in iter_documents(files, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8, skipped=skipped):
-            ids = token_ids(tokenizer, text)
+        for document in iter_documents(files, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8, skipped=skipped):
+            ids = token_ids(tokenizer, document.text)
+            if len(ids) == 0:
+                continue
             out.write(ids.tobytes())
             lengths.append(len(ids))
-            bar.update(len(text.encode()))
+            origins.append((str(document.source), document.line, document.id, document.sha256))
+            first_tokens.append(int(ids[0]))
+            bar.update(len(document.text.encode()))
     bar.close()
     np.save(work / "tokens.npy", np.fromfile(raw, dtype=np.int32))
     raw.unlink()
     offsets = doc_offsets(lengths)
     np.save(work / "doc_offsets.npy", offsets)
+    DocumentTable.of(origins, first_tokens).write(work / "corpus_documents.json")
     stats = CorpusStats(sources=[str(f) for f in files], documents=len(lengths), tokens=int(offsets[-1]), skipped_files=skipped)
     write_json_atomic(stats_file, stats.model_dump(mode="json"))
     return stats

@@ -106,12 +106,13 @@ def main(argv: list[str] | None = None) -> None:
             manifest = recalibrate(args.datastore, args.texts, model_dir_for(args.model), config, progress=not args.quiet)
             print(json.dumps(manifest.calibration.model_dump(mode="json", by_alias=True), indent=2))
         elif args.command == "inspect":
-            from index_builder.verify import inspect_datastore
+            from index_builder.verify import inspect_datastore, provenance_summary
 
             manifest = inspect_datastore(args.datastore, checksums=not args.no_checksums)
             print(json.dumps(manifest.model_dump(mode="json", by_alias=True), indent=2))
             print(
-                f"knnlm-index: {args.datastore}: OK ({'checksums verified' if not args.no_checksums else 'checksums not checked'})",
+                f"knnlm-index: {args.datastore}: OK ({'checksums verified' if not args.no_checksums else 'checksums not checked'}); "
+                f"{provenance_summary(Path(args.datastore), manifest)}",
                 file=sys.stderr,
             )
         elif args.command == "verify":

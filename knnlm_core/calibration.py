@@ -191,6 +191,7 @@ class HeldOut:
 
     index_tokens: np.ndarray
     index_offsets: np.ndarray
+    index_documents: np.ndarray  # int64: which corpus document each of the index's documents is
     tokens: np.ndarray
     offsets: np.ndarray
     description: str
@@ -230,8 +231,9 @@ def split_heldout(tokens: np.ndarray, doc_offsets: np.ndarray) -> HeldOut | None
         description = f"the last {budget} tokens of the longest document (of {len(starts)})"
         held_lengths = [budget]
         held = tokens[ends[longest] - budget : ends[longest]]
-    kept_lengths = [int(keep[s:e].sum()) for s, e in zip(starts, ends)]
-    return HeldOut(tokens[keep], _offsets([n for n in kept_lengths if n > 0]), held, _offsets(held_lengths), description)
+    kept_lengths = np.array([int(keep[s:e].sum()) for s, e in zip(starts, ends)], dtype=np.int64)
+    kept = np.flatnonzero(kept_lengths > 0)
+    return HeldOut(tokens[keep], _offsets(kept_lengths[kept].tolist()), kept, held, _offsets(held_lengths), description)
 
 
 def _offsets(lengths: list[int]) -> np.ndarray:

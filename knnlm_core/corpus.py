@@ -2,14 +2,17 @@
 
 A text file is one document; each line of a .jsonl file is one document (its `text_field`). The
 builder, the evaluator and the benchmarks tokenize with `token_ids`, so their positions agree.
+Each document keeps where it came from (`Document`): the builder records it for provenance.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,10 +57,23 @@ def _read_text(path: Path) -> str:
     return data.decode("utf-8")
 
 
+@dataclass(frozen=True)
+class Document:
+    text: str
+    source: Path
+    line: int | None = None  # .jsonl: the 1-based line
+    id: str | None = None  # .jsonl: the record's `id` field, when it has one
+
+    @property
+    def sha256(self) -> str:
+        """Of the text as UTF-8: finds the document again in its source, and checks it."""
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
 def iter_documents(
     files: list[Path], *, text_field: str = "text", on_bad_utf8: str = "skip", skipped: list[str] | None = None
-) -> Iterator[str]:
-    """Yield documents' texts in file order. Non-UTF-8 files are skipped (recorded) or raise."""
+) -> Iterator[Document]:
+    """Yield documents in file order. Non-UTF-8 files are skipped (recorded) or raise."""
     for path in files:
         try:
             text = _read_text(path)
@@ -73,10 +89,10 @@ def iter_documents(
         if _suffix(path) in JSONL_SUFFIXES:
             yield from _jsonl_documents(path, text, text_field)
         elif text.strip():
-            yield text
+            yield Document(text, path)
 
 
-def _jsonl_documents(path: Path, text: str, text_field: str) -> Iterator[str]:
+def _jsonl_documents(path: Path, text: str, text_field: str) -> Iterator[Document]:
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -88,7 +104,8 @@ def _jsonl_documents(path: Path, text: str, text_field: str) -> Iterator[str]:
         if not isinstance(value, str):
             raise CorpusError(f"{path}:{lineno}: no string field {text_field!r}; set it with --text-field")
         if value.strip():
-            yield value
+            record_id = record.get("id")
+            yield Document(value, path, lineno, None if record_id is None or isinstance(record_id, (dict, list)) else str(record_id))
 
 
 def token_ids(tokenizer, text: str) -> np.ndarray:
@@ -110,6 +127,6 @@ def tokenize_files(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    docs = [token_ids(tokenizer, t) for t in iter_documents(files, text_field=text_field, on_bad_utf8=on_bad_utf8)]
+    docs = [token_ids(tokenizer, d.text) for d in iter_documents(files, text_field=text_field, on_bad_utf8=on_bad_utf8)]
     tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int32)
     return tokens, doc_offsets([len(d) for d in docs])

@@ -9,6 +9,10 @@
                                          successor i + 1 is the next position of the same document
                                          when both lie in one document's range). Absent in
                                          datastores built from keys or before it existed.
+    <datastore>/provenance.json          each document's source file, .jsonl line and id, first
+                                         token and text checksum (knnlm_core/provenance.py).
+                                         Absent where documents.npy is, and in older datastores:
+                                         they serve, but cannot explain.
 
 Only JSON and plain `.npy` arrays are read (`allow_pickle=False`): a datastore is data, never code.
 """
@@ -143,11 +147,12 @@ class Manifest(_Record):
     calibration_note: str | None = None  # why there is no calibration
     calibration_history: list[Calibration] = []  # earlier calibrations, oldest first
     documents: FileEntry | None = None  # documents.npy; None: no document boundaries (no pointer following)
+    provenance: FileEntry | None = None  # provenance.json; None: cannot explain its neighbours
     checksum: str | None = None  # sha256 of this manifest without this field (None: written before it existed)
 
     def files(self) -> list[FileEntry]:
         """Every data file the manifest lists, with its size and checksum."""
-        return [f for s in self.shards for f in shard_files(s)] + ([self.documents] if self.documents else [])
+        return [f for s in self.shards for f in shard_files(s)] + [f for f in (self.documents, self.provenance) if f is not None]
 
 
 def read_manifest(path: str | os.PathLike) -> Manifest:

@@ -256,3 +256,51 @@ def test_inspect_detects_a_corrupted_shard(corpus, tiny_model_dir, tmp_path):
     values.write_bytes(bytes(data[:-8]))
     result = knnlm_index("inspect", str(out))
     assert result.returncode != 0 and "truncated" in result.stderr
+
+
+def test_provenance_gives_every_entry_its_document_and_the_documents_back(corpus, tiny_model_dir, tmp_path):
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from knnlm_core.provenance import Provenance
+
+    records = [{"id": "intro", "text": "First record of the feed."}, {"text": "No id here."}, {"id": 7, "text": "Seventh."}]
+    (corpus_dir := tmp_path / "corpus").mkdir()
+    (corpus_dir / "heapq.txt").write_text((corpus / "heapq.txt").read_text())
+    (corpus_dir / "feed.jsonl").write_text("\n".join([json.dumps(records[0]), "", json.dumps(records[1]), json.dumps(records[2])]))
+    manifest = build_datastore([corpus_dir], tmp_path / "ds", tiny_model_dir, SMALL.model_copy(update={"shards": 2}), progress=False)
+    provenance = Provenance.open(tmp_path / "ds", manifest)
+    texts = [r["text"] for r in records] + [(corpus / "heapq.txt").read_text()]  # files in sorted order
+    rows = [provenance.table.describe(d) for d in range(provenance.documents)]
+    assert [(r["source"], r["line"], r["id"]) for r in rows] == [
+        ("feed.jsonl", 1, "intro"),
+        ("feed.jsonl", 3, None),
+        ("feed.jsonl", 4, "7"),
+        ("heapq.txt", None, None),
+    ]
+    assert [r["sha256"] for r in rows] == [hashlib.sha256(t.encode()).hexdigest() for t in texts]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for d, text in enumerate(texts):  # the datastore gives every document's tokens back, across the shard boundary
+        assert provenance.tokens(d).tolist() == tokenizer(text).input_ids
+    # Entry i: its document, and the position of its value (the next token) in that document.
+    values = np.concatenate([np.load(tmp_path / "ds" / s.values.path) for s in manifest.shards])
+    documents, positions = provenance.locate(np.arange(manifest.entries))
+    for i in range(0, manifest.entries, 37):
+        assert provenance.tokens(int(documents[i]), int(positions[i]) + 1, int(positions[i]) + 2).tolist() == [values[i]]
+    with pytest.raises(DatastoreError, match="document 4 does not exist"):
+        provenance.tokens(4)
+    assert "provenance: 4 documents from 2 source file(s)" in knnlm_index("inspect", str(tmp_path / "ds")).stderr
+
+
+def test_the_held_out_slice_says_which_documents_the_index_keeps():
+    from knnlm_core.calibration import split_heldout
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(200, 2000, 40)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    tokens = rng.integers(0, 1000, offsets[-1]).astype(np.int32)
+    heldout = split_heldout(tokens, offsets)
+    assert 0 < len(heldout.index_documents) < len(lengths)
+    for kept, (start, end) in zip(heldout.index_documents, zip(heldout.index_offsets[:-1], heldout.index_offsets[1:])):
+        assert np.array_equal(heldout.index_tokens[start:end], tokens[offsets[kept] : offsets[kept] + (end - start)])

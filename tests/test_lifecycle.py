@@ -195,6 +195,47 @@ def test_swap_twice_under_streaming_load(server, ids):
     assert total(scrape(server), 'knnlm_swaps_total{datastore="main",result="swapped"}') >= 2
 
 
+def test_explanations_come_from_the_version_each_request_was_pinned_to(server, ids):
+    """Explained requests under two hot-swaps: each explanation's tokens, datastore version and
+    neighbours' documents all belong to one version (a.txt's text, or b.txt's), never a mix."""
+    explained, errors, stop = [], [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            response = requests.post(
+                f"{server.base_url}/v1/knn/explain",
+                json={"prompt": PREFIX, "max_tokens": CONTINUATION, "vllm_xargs": {"knn_explain": 2}},
+                timeout=120,
+            )
+            (explained.append(response.json()) if response.status_code == 200 else errors.append(response.text))
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        for path, expect in (("b", "b"), ("a", "a")):
+            time.sleep(2)
+            assert admin(server, "POST", "/datastores", name="main", path=path).status_code == 200
+            deadline = time.monotonic() + 60
+            while complete(server, ids["prompt"]) != ids[expect]:
+                assert time.monotonic() < deadline, "the swap never took effect"
+                time.sleep(0.2)
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert errors == []
+    seen = {}
+    for body in explained:
+        tokens = [t["token_id"] for t in body["tokens"]]
+        sources = {n["source"] for t in body["tokens"] for n in t["neighbours"]}
+        text = "a" if tokens == ids["a"] else "b" if tokens == ids["b"] else None
+        assert text is not None and sources == {f"{text}.txt"}, (tokens, sources)
+        assert seen.setdefault(body["datastore"]["version"], text) == text  # one version, one text
+    assert set(seen.values()) == {"a", "b"} and len(seen) >= 3
+
+
 def test_killed_shard_actor_never_fails_a_request_and_recovers(server, ids):
     import ray
 

@@ -34,6 +34,7 @@ class LastNeighbours:
 class BatchRequest:
     extra_args: dict | None
     output_tokens: list[int] = field(default_factory=list)  # vLLM's own list, appended as tokens are sampled
+    prompt_tokens: list[int] | None = None  # vLLM's own list (None: a prompt of embeddings)
     params: KnnParams | None = None  # set at the request's first step
     pinned: DatastoreInfo | None = None  # the version serving then; None when kNN is off
     last: LastNeighbours | None = None
@@ -55,8 +56,8 @@ class BatchRequests:
             return
         for slot in update.removed:
             self._slots.pop(slot, None)
-        for slot, sampling_params, _, output_tokens in update.added:
-            self._slots[slot] = BatchRequest(sampling_params.extra_args, output_tokens)
+        for slot, sampling_params, prompt_tokens, output_tokens in update.added:
+            self._slots[slot] = BatchRequest(sampling_params.extra_args, output_tokens, prompt_tokens)
         for a, b, direction in update.moved:
             if direction == MoveDirectionality.SWAP:
                 self._slots[a], self._slots[b] = self._slots.get(b), self._slots.get(a)

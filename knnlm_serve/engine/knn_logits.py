@@ -23,6 +23,7 @@ from knnlm_core.pointers import successors
 from knnlm_serve import metrics
 from knnlm_serve.engine.batch_requests import BatchRequest, BatchRequests, LastNeighbours
 from knnlm_serve.engine.capture import KeyCapture
+from knnlm_serve.engine.explanations import Evidence, ExplanationLog
 from knnlm_serve.engine.knn_mixer import KnnMixer
 from knnlm_serve.retrieval import make_retriever
 from knnlm_serve.runtime import DatastoreInfo, Runtime
@@ -35,6 +36,7 @@ class KnnLogits:
         self.capture = capture
         self.step = step  # vllm_adapter.StepView: the runner's view of this step
         self.mixer = KnnMixer(make_retriever(runtime.knn, runtime.ray_address))
+        self.explanations = ExplanationLog()
 
     def set_runtime(self, runtime: Runtime) -> None:
         """A new serving set from the registry; versions no running request is pinned to are released."""
@@ -65,8 +67,12 @@ class KnnLogits:
         if not groups:
             return logits
         logits = logits.float()
+        explained = [r for members in groups.values() for r in members if params[r].explain_id is not None]
+        evidence = Evidence(self.step.positions(rows), rows.sampling, logits, explained) if explained else None
         for key, group in groups.items():
             info = versions[key]
+            if evidence:
+                evidence.skipped(group, info)
             group = self.mixer.rows_to_search(logits, group, [params[r] for r in group], info.name)
             if not group:
                 continue
@@ -75,12 +81,16 @@ class KnnLogits:
             queries = keys.float().cpu().numpy()
             candidates = [self._pointers(requests[r], last[r], info) if rows.sampling else None for r in group]
             found = self.step.on_first_rank(self.mixer.search, info, queries, [params[r] for r in group], self.runtime, candidates)
+            if evidence:
+                evidence.found(group, info, found)
             if found is None:
                 continue
             self.mixer.mix(logits, group, found, info.name)
             if rows.sampling:
                 for i, r in enumerate(group):
                     requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))
+        if evidence:
+            evidence.record(self.explanations, requests)
         return logits
 
     def _pointers(self, request: BatchRequest, last: LastNeighbours | None, info: DatastoreInfo) -> np.ndarray | None:

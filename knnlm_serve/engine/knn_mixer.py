@@ -31,6 +31,7 @@ class Neighbours:
     ids: np.ndarray  # int64 [n, k_max] global entry ids
     lambdas: np.ndarray  # float32 [n]
     temperatures: np.ndarray  # float32 [n]
+    followed: np.ndarray  # bool [n]: the row's neighbours are its pointers' successors, not a search
 
 
 class KnnMixer:
@@ -101,6 +102,7 @@ class KnnMixer:
             ids,
             self._lambdas(params, distances[:, 0]),
             np.array([p.temperature for p in params], dtype=np.float32),
+            follow,
         )
 
     @staticmethod

@@ -10,6 +10,8 @@
     knn_pointers     0..max_k     follow pointers: a decode step uses the successors of the last
                                   step's neighbours that predicted its token, without a search,
                                   when at least this many survive; 0 = always search
+    knn_explain      {id, top}    set by POST /v1/knn/explain, which returns the explanation:
+                                  record this request's evidence (server/explain.py)
 
 A knob the request leaves out takes the datastore's default (runtime.mix_defaults: config
 override, else the datastore's calibration, else the config's default; λ may be adaptive).
@@ -26,7 +28,8 @@ from knnlm_core.config import AdaptiveLambda
 from knnlm_core.errors import KnnlmError
 from knnlm_serve.runtime import Runtime, mix_defaults
 
-KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature", "knn_skip_threshold", "knn_pointers")
+KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature", "knn_skip_threshold", "knn_pointers", "knn_explain")
+MAX_EXPLAIN_TOP = 64  # neighbours an explanation shows per token
 
 
 class KnnParamError(KnnlmError):
@@ -45,6 +48,7 @@ class KnnParams:
     adaptive_lambda: AdaptiveLambda | None = None
     skip_threshold: float = 1.0
     min_pointers: int = 0
+    explain_id: str | None = None  # record this request's evidence under this id (POST /v1/knn/explain)
 
     @property
     def active(self) -> bool:
@@ -81,7 +85,29 @@ def parse_knn_params(extra_args: dict | None, runtime: Runtime) -> KnnParams:
     pointers = args.get("knn_pointers", defaults.min_pointers)
     if isinstance(pointers, bool) or not isinstance(pointers, int) or not 0 <= pointers <= config.max_k:
         raise KnnParamError("knn_pointers", pointers, f"an integer in [0, {config.max_k}] (0: always search)")
-    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature, adaptive, skip, pointers)
+    explain_id = _explain_id(args.get("knn_explain"))
+    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature, adaptive, skip, pointers, explain_id)
+
+
+def _explain_id(value) -> str | None:
+    """POST /v1/knn/explain sets `{"id": ..., "top": n}`; a completion request has nowhere to return an explanation."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("id"), str)
+        or not 0 < len(value["id"]) <= 64
+        or isinstance(value.get("top"), bool)
+        or not isinstance(value.get("top"), int)
+        or not 1 <= value["top"] <= MAX_EXPLAIN_TOP
+    ):
+        raise KnnParamError(
+            "knn_explain",
+            value,
+            f"left out: explanations come from POST /v1/knn/explain (its body takes `vllm_xargs` too, with knn_explain: "
+            f"1..{MAX_EXPLAIN_TOP} neighbours per token)",
+        )
+    return value["id"]
 
 
 def _bool(value) -> bool:

@@ -4,7 +4,9 @@ vLLM's public interfaces carry the per-request settings (`SamplingParams.extra_a
 our logits processor in each `BatchUpdate`) and the worker RPC (`--worker-extension-cls`,
 `collective_rpc`). Three things they do not carry are read here, from the V1 model runner:
   * `runner.input_batch.num_reqs` and `runner.query_start_loc.np`: where each request's tokens sit
-    in the step's flattened batch (which token a logits row is, and whose);
+    in the step's flattened batch (which token a logits row is, and whose), and
+    `runner.input_batch.num_computed_tokens_cpu`: the position of each request's first token in
+    the step (for explanations: which token of the request a row is);
   * prompt-logprob calls pass a view of the model's output (a slice of `hidden[start:start+n]`),
     sampling calls a gathered copy (`hidden[logits_indices]`): told apart by storage;
   * `runner.input_batch.logitsprocs` and `runner.get_model()`: our logits processor and model.
@@ -16,6 +18,7 @@ the vLLM version instead of serving wrong logits after a vLLM upgrade.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 
 import numpy as np
@@ -30,6 +33,7 @@ logger = logging.getLogger("knnlm_serve")
 TESTED_VLLM = "0.32"
 EXTENSION = "knnlm_serve.engine.vllm_adapter.KnnWorkerExtension"
 ATTACH, SET_RUNTIME, PINNED_VERSIONS = "knnlm_attach", "knnlm_set_runtime", "knnlm_pinned_versions"
+TAKE_EXPLANATION = "knnlm_take_explanation"
 
 
 class VllmInternalsError(KnnlmError):
@@ -63,6 +67,7 @@ def self_check(worker):
     checks = [
         (runner is not None, "the worker has no model_runner"),
         (isinstance(getattr(batch, "num_reqs", None), int), "input_batch.num_reqs is missing"),
+        (isinstance(getattr(batch, "num_computed_tokens_cpu", None), np.ndarray), "input_batch.num_computed_tokens_cpu is missing"),
         (hasattr(getattr(batch, "logitsprocs", None), "all"), "input_batch.logitsprocs.all is missing"),
         (isinstance(getattr(getattr(runner, "query_start_loc", None), "np", None), np.ndarray), "query_start_loc.np is missing"),
         (callable(getattr(runner, "get_model", None)), "model_runner.get_model is missing"),
@@ -101,6 +106,11 @@ class StepView:
             raise _incompatible(f"a sampling call had {hidden_states.shape[0]} rows for {num_reqs} requests")
         return sampling_rows(query_start_loc, num_reqs)
 
+    def positions(self, rows: LogitsRows) -> np.ndarray:
+        """Each row's token position in its request (prompt and output tokens counted together)."""
+        query_start_loc = self._runner.query_start_loc.np
+        return self._runner.input_batch.num_computed_tokens_cpu[rows.slot] + rows.token_index - query_start_loc[rows.slot]
+
     def on_first_rank(self, search, *args):
         """`search(*args)` on tensor-parallel rank 0 only; every rank gets its result."""
         if self.tp_size == 1:
@@ -133,6 +143,10 @@ class KnnWorkerExtension:
 
     def knnlm_set_runtime(self, runtime_json: str) -> None:
         self.model_runner.get_model().knn_logits.set_runtime(Runtime.model_validate_json(runtime_json))
+
+    def knnlm_take_explanation(self, explain_id: str) -> str:
+        """The recorded rows of an explained request (JSON), once."""
+        return json.dumps(self.model_runner.get_model().knn_logits.explanations.take(explain_id))
 
     def knnlm_pinned_versions(self) -> list[list]:
         knn = self.model_runner.get_model().knn_logits

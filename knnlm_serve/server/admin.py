@@ -6,6 +6,9 @@
     DELETE /v1/knn/datastores/{name}   unload
     GET    /v1/knn/health              every shard actor's status
 
+(The provenance routes, POST /v1/knn/explain and GET /v1/knn/documents/..., are attached here too;
+they are user routes behind vLLM's API key, not admin routes: server/explain.py.)
+
 Every route needs the `X-Admin-Token` header (the admin token is not the inference API key).
 Paths are resolved (symlinks too) and must lie inside `knn.datastore_root`. Domain errors carry
 their kind; `STATUS` maps it to an HTTP status here, and nowhere else.
@@ -138,7 +141,10 @@ class KnnAdminPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
+        from knnlm_serve.server.explain import router as explain_router
+
         app.include_router(router)
+        app.include_router(explain_router)
 
     async def init_state(self, engine_client, state, args) -> None:
         registry = published_registry()

@@ -1,0 +1,145 @@
+"""Where each datastore entry came from, and the text around it: the evidence behind p_kNN.
+
+Entry i lies in document d, the last one with starts[d] <= i (documents.npy), at token position
+p = i - starts[d]: its key is the model's vector after the document's tokens 0..p, its value is
+token p + 1. The entries' values are therefore every document's tokens but its first, in corpus
+order; with each document's first token (kept in the table) they give the whole tokenized corpus
+back, so a snippet needs no other copy of the text and no per-entry arrays.
+
+The document table (`provenance.json`) says where each document came from: its source file
+(relative to `root`, the sources' common directory at build time), the 1-based line and the `id`
+field of a .jsonl record, and the sha256 of the document's text, to find it again and check it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from knnlm_core.datastore import Manifest, load_document_starts, load_values
+from knnlm_core.errors import DatastoreError, ErrorKind
+from knnlm_core.files import write_json_atomic
+
+PROVENANCE = "provenance.json"
+
+
+@dataclass(frozen=True)
+class DocumentTable:
+    root: str
+    sources: list[str]  # relative to root
+    source: list[int]  # per document: index into sources
+    line: list[int | None]
+    id: list[str | None]
+    first_token: list[int]
+    sha256: list[str]
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @classmethod
+    def of(cls, origins: list[tuple[str, int | None, str | None, str]], first_tokens: list[int]) -> DocumentTable:
+        """From each document's (source path, line, id, sha256) and first token, in corpus order."""
+        root = os.path.commonpath([os.path.dirname(o[0]) for o in origins]) if origins else ""
+        relative = [os.path.relpath(o[0], root) for o in origins]
+        sources = list(dict.fromkeys(relative))
+        number = {s: i for i, s in enumerate(sources)}
+        return cls(
+            root=root,
+            sources=sources,
+            source=[number[r] for r in relative],
+            line=[o[1] for o in origins],
+            id=[o[2] for o in origins],
+            first_token=[int(t) for t in first_tokens],
+            sha256=[o[3] for o in origins],
+        )
+
+    def select(self, documents: np.ndarray) -> DocumentTable:
+        """The rows of `documents` (the corpus documents the index kept), in that order."""
+        rows = documents.tolist()
+        return DocumentTable(
+            self.root,
+            self.sources,
+            *([column[r] for r in rows] for column in (self.source, self.line, self.id, self.first_token, self.sha256)),
+        )
+
+    def write(self, path: Path) -> None:
+        write_json_atomic(path, self.__dict__)
+
+    @classmethod
+    def read(cls, path: Path) -> DocumentTable:
+        try:
+            table = cls(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise DatastoreError(f"{path} is not a knnlm-index document table ({e}); rebuild the datastore") from None
+        if len({len(c) for c in (table.source, table.line, table.id, table.first_token, table.sha256)}) != 1:
+            raise DatastoreError(f"{path}: its columns have different lengths; rebuild the datastore")
+        return table
+
+    def describe(self, document: int) -> dict:
+        return {
+            "document": document,
+            "source": self.sources[self.source[document]],
+            "line": self.line[document],
+            "id": self.id[document],
+            "sha256": self.sha256[document],
+        }
+
+
+class Provenance:
+    """A datastore's entries, documents and their tokens, for explaining neighbours."""
+
+    def __init__(self, table: DocumentTable, starts: np.ndarray, values: list[np.ndarray]):
+        if len(starts) != len(table) + 1:
+            raise DatastoreError(f"the document table has {len(table)} documents, documents.npy {len(starts) - 1}; rebuild the datastore")
+        self.table, self.starts = table, starts
+        self._values = values  # per shard, memory-mapped
+        self._first_ids = np.cumsum([0] + [len(v) for v in values])
+
+    @classmethod
+    def open(cls, root: Path, manifest: Manifest) -> Provenance:
+        """The datastore's provenance; a clear error for datastores built before it was recorded."""
+        if manifest.provenance is None or manifest.documents is None:
+            raise DatastoreError(
+                f"datastore {root.name} has no provenance (built before knnlm-index recorded documents, or from keys): "
+                "it serves, but cannot explain; rebuild it with `knnlm-index build` to explain its neighbours",
+                ErrorKind.INVALID,
+            )
+        values = [load_values(root / s.values.path) for s in manifest.shards]
+        return cls(DocumentTable.read(root / manifest.provenance.path), load_document_starts(root, manifest), values)
+
+    @property
+    def documents(self) -> int:
+        return len(self.table)
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(document, token position) of each entry id: its key read the document up to that position."""
+        ids = np.asarray(ids, dtype=np.int64)
+        documents = np.searchsorted(self.starts, ids, side="right") - 1
+        return documents, ids - self.starts[documents]
+
+    def tokens(self, document: int, start: int = 0, end: int | None = None) -> np.ndarray:
+        """The document's tokens [start, end) (clipped to the document): its first token from the
+        table, the others are the values of its entries."""
+        if not 0 <= document < self.documents:
+            raise DatastoreError(
+                f"document {document} does not exist: the datastore has documents 0..{self.documents - 1}", ErrorKind.NOT_FOUND
+            )
+        length = int(self.starts[document + 1] - self.starts[document]) + 1
+        start, end = max(0, start), length if end is None else min(end, length)
+        if start >= end:
+            return np.zeros(0, dtype=np.int32)
+        first = [self.table.first_token[document]] if start == 0 else []
+        base = int(self.starts[document]) - 1  # token q of the document is entry base + q's value
+        return np.concatenate([np.asarray(first, dtype=np.int32), self._entry_values(base + max(start, 1), base + end)])
+
+    def _entry_values(self, lo: int, hi: int) -> np.ndarray:
+        parts = []
+        for shard, values in enumerate(self._values):
+            a, b = max(lo, self._first_ids[shard]), min(hi, self._first_ids[shard + 1])
+            if a < b:
+                parts.append(np.asarray(values[a - self._first_ids[shard] : b - self._first_ids[shard]], dtype=np.int32))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)

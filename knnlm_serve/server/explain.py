@@ -1,0 +1,205 @@
+"""Provenance API: which documents each generated or scored token drew on.
+
+    POST /v1/knn/explain                         generate from a prompt (or score a given completion)
+                                                 and explain every token
+    GET  /v1/knn/documents/{datastore}/{doc}     a document of a serving datastore, whole
+
+An explained request is an ordinary engine request with `vllm_xargs.knn_explain` set: the same
+search, settings and version pinning as serving, with the worker recording the evidence of its
+rows (engine/explanations.py). Once it has finished, its rows are taken through the worker RPC,
+and entry ids become documents and snippets here, from the files of the version the request was
+pinned to. Requests that do not ask pay nothing. The routes sit under /v1, behind vLLM's API key.
+
+For a token t with the row's λ, neighbours j (distance d_j, value v_j) and temperature τ:
+p_kNN(t) = Σ_{v_j = t} softmax(−d/τ)_j, p_LM(t) as the worker recorded it before the mix, and
+p = λ·p_kNN + (1−λ)·p_LM, which is what the server served (`logprob`, from vLLM). The worker
+records p_LM at the neighbours' values, the LM's top tokens and a scored token; a sampled token
+outside those (only possible with temperature > 0) has p_kNN = 0, so p_LM = p/(1−λ) exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from fastapi import APIRouter, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from knnlm_core.datastore import read_manifest
+from knnlm_core.errors import KnnlmError
+from knnlm_core.provenance import Provenance
+from knnlm_serve.engine.request_params import MAX_EXPLAIN_TOP, KnnParamError, parse_knn_params
+from knnlm_serve.engine.vllm_adapter import TAKE_EXPLANATION
+from knnlm_serve.server.admin import STATUS
+
+logger = logging.getLogger("knnlm_serve")
+
+MAX_EXPLAINED_TOKENS = 256
+RPC_TIMEOUT_S = 60.0
+
+
+class ExplainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None  # accepted for OpenAI-style clients; the server has one model
+    prompt: str = Field(min_length=1)
+    completion: str | None = Field(None, min_length=1)  # score this continuation instead of generating
+    max_tokens: int = Field(16, ge=1, le=MAX_EXPLAINED_TOKENS)
+    temperature: float = Field(0.0, ge=0)
+    snippet_tokens: int = Field(16, ge=0, le=256)  # tokens of context shown before and after an entry
+    vllm_xargs: dict = {}  # the kNN knobs of /v1/completions; knn_explain: neighbours shown per token (5)
+
+
+router = APIRouter(prefix="/v1/knn", tags=["kNN provenance"])
+
+
+@lru_cache(maxsize=8)
+def provenance_of(path: str) -> Provenance:
+    """A datastore version's provenance, by its directory (versions are immutable once built)."""
+    return Provenance.open(Path(path), read_manifest(path))
+
+
+def _registry(request: Request):
+    registry = getattr(request.app.state, "knnlm_registry", None)
+    if registry is None:
+        raise HTTPException(503, "kNN is not configured on this server (no knn.datastores)")
+    return registry
+
+
+def _http(e: KnnlmError) -> HTTPException:
+    return HTTPException(STATUS[e.kind], str(e))
+
+
+@router.get("/documents/{datastore}/{document}")
+def get_document(datastore: str, document: int, request: Request) -> dict:
+    info = _registry(request).runtime.datastores.get(datastore)
+    if info is None:
+        raise HTTPException(404, f"no datastore {datastore!r} is serving; GET /v1/knn/datastores lists them")
+    tokenizer = request.app.state.engine_client.get_tokenizer()
+    try:
+        provenance = provenance_of(info.path)
+        tokens = provenance.tokens(document)
+    except KnnlmError as e:
+        raise _http(e) from None
+    return {
+        "datastore": {"name": info.name, "version": info.version},
+        **provenance.table.describe(document),
+        "tokens": len(tokens),
+        "text": tokenizer.decode(tokens.tolist()),
+    }
+
+
+@router.post("/explain")
+async def explain(body: ExplainRequest, request: Request) -> dict:
+    from vllm import SamplingParams
+
+    registry = _registry(request)
+    engine = request.app.state.engine_client
+    xargs = dict(body.vllm_xargs)
+    top = xargs.pop("knn_explain", 5)
+    if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= MAX_EXPLAIN_TOP:
+        raise HTTPException(
+            400, f"vllm_xargs.knn_explain={top!r} is invalid: must be an integer in [1, {MAX_EXPLAIN_TOP}] (neighbours per token)"
+        )
+    explain_id = uuid.uuid4().hex
+    xargs["knn_explain"] = {"id": explain_id, "top": top}
+    try:
+        params = parse_knn_params(xargs, registry.runtime)
+    except KnnParamError as e:
+        raise HTTPException(400, str(e)) from None
+    if not params.active:
+        raise HTTPException(400, "kNN is off for this request (vllm_xargs knn false or knn_lambda 0): there is nothing to explain")
+    try:
+        provenance_of(registry.runtime.datastores[params.datastore].path)
+    except KnnlmError as e:
+        raise _http(e) from None
+
+    tokenizer = engine.get_tokenizer()
+    prompt = tokenizer(body.prompt).input_ids
+    scored = tokenizer(body.completion, add_special_tokens=False).input_ids if body.completion else []
+    if body.completion and not scored:
+        raise HTTPException(400, "the completion to score has no tokens")
+    if len(scored) > MAX_EXPLAINED_TOKENS:
+        raise HTTPException(400, f"the completion has {len(scored)} tokens; at most {MAX_EXPLAINED_TOKENS} are explained at once")
+    sampling = SamplingParams(
+        max_tokens=1 if scored else body.max_tokens,
+        temperature=body.temperature,
+        logprobs=0,
+        prompt_logprobs=0 if scored else None,
+        extra_args=xargs,
+    )
+    final = None
+    try:
+        async for output in engine.generate({"prompt_token_ids": prompt + scored}, sampling, f"knn-explain-{explain_id}"):
+            final = output
+    except (ValueError, KnnlmError) as e:  # vLLM's validation (prompt too long, ...) and ours
+        raise HTTPException(400, str(e)) from None
+    finally:
+        rows = await asyncio.wait_for(engine.collective_rpc(TAKE_EXPLANATION, timeout=RPC_TIMEOUT_S, args=(explain_id,)), RPC_TIMEOUT_S)
+    by_position = {row["position"]: row for row in json.loads(rows[0])}
+
+    if scored:  # row p predicts token p + 1; the scored tokens follow the prompt
+        first = len(prompt)
+        tokens = prompt + scored
+        served = [final.prompt_logprobs[first + i][t].logprob for i, t in enumerate(scored)]
+        explained = [(first + i - 1, t, lp) for i, (t, lp) in enumerate(zip(scored, served))]
+    else:
+        completion = final.outputs[0]
+        explained = [(len(prompt) - 1 + i, t, completion.logprobs[i][t].logprob) for i, t in enumerate(completion.token_ids)]
+        tokens = prompt + list(completion.token_ids)
+    pinned = next(iter(by_position.values()), {}).get("datastore")
+    try:
+        explanation = [
+            explain_token(by_position.get(position), token, logprob, top, body.snippet_tokens, tokenizer)
+            for position, token, logprob in explained
+        ]
+    except KnnlmError as e:  # the request was pinned to a version swapped in without provenance
+        raise _http(e) from None
+    return {
+        "datastore": {"name": pinned[0], "version": pinned[1]} if pinned else {"name": params.datastore, "version": None},
+        "prompt_tokens": len(prompt),
+        "text": tokenizer.decode(tokens[len(prompt) :]),
+        "tokens": explanation,
+    }
+
+
+def explain_token(row: dict | None, token: int, logprob: float, top: int, width: int, tokenizer) -> dict:
+    """One token's mixture and its top neighbours by weight, each with its document and a snippet."""
+    served = float(np.exp(logprob))
+    out = {"token": tokenizer.decode([token]), "token_id": token, "logprob": logprob, "status": row["status"] if row else "lm_only"}
+    if row is None or "ids" not in row:  # skipped, fallback, or not recorded: the LM alone served it
+        p_lm = float(np.exp(row["lm"][str(token)])) if row and str(token) in row["lm"] else served
+        return {**out, "lambda": 0.0, "p_lm": p_lm, "p_knn": None, "p": p_lm, "neighbours": []}
+    lam = row["lambda"]
+    distances, values, ids = np.array(row["distances"]), np.array(row["tokens"]), np.array(row["ids"])
+    scores = -distances / row["temperature"]
+    weights = np.exp(scores - scores.max())
+    weights /= weights.sum()
+    p_knn = float(weights[values == token].sum())
+    recorded = row["lm"].get(str(token))
+    p_lm = float(np.exp(recorded)) if recorded is not None else served / (1 - lam)
+    provenance = provenance_of(row["datastore"][2])
+    order = np.argsort(-weights, kind="stable")[:top]
+    documents, read_to = provenance.locate(ids[order])
+    neighbours = []
+    for j, document, position in zip(order.tolist(), documents.tolist(), (read_to + 1).tolist()):
+        # `position`: the entry's value, the token that followed its context in the document
+        before = provenance.tokens(document, position - width, position)
+        after = provenance.tokens(document, position + 1, position + 1 + width)
+        next_token = tokenizer.decode([int(values[j])])
+        neighbours.append(
+            {
+                "entry": int(ids[j]),
+                **provenance.table.describe(document),
+                "position": position,
+                "distance": float(distances[j]),
+                "weight": float(weights[j]),
+                "next_token": next_token,
+                "snippet": f"{tokenizer.decode(before.tolist())}[[{next_token}]]{tokenizer.decode(after.tolist())}",
+            }
+        )
+    return {**out, "lambda": lam, "p_lm": p_lm, "p_knn": p_knn, "p": lam * p_knn + (1 - lam) * p_lm, "neighbours": neighbours}
