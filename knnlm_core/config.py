@@ -116,6 +116,11 @@ class KnnConfig(_Strict):
     gpu: bool | None = Field(None, description="FAISS on GPU; default: when faiss-gpu sees a device")
     gpu_fraction: float = Field(0.1, gt=0, le=1, description="share of a GPU each Ray shard actor reserves")
     shard_threads: int | None = Field(None, gt=0, description="FAISS threads per shard actor; default: the node's cores")
+    shard_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each shard actor requires, e.g. {knn_shards: 0.01}: places the shards on the "
+        "nodes that offer them (`ray start --resources`), which may be other nodes than the engine's",
+    )
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -93,8 +93,11 @@ class ShardActor:
         self.searcher = ShardSearcher(Path(root), shard, first, use_gpu=use_gpu)
 
     def describe(self) -> dict:
+        import ray
+
         s = self.searcher
-        return {"name": s.name, "entries": s.ntotal, "dim": s.dim, "on_gpu": s.on_gpu, "pid": os.getpid()}
+        node = ray.get_runtime_context().get_node_id()
+        return {"name": s.name, "entries": s.ntotal, "dim": s.dim, "on_gpu": s.on_gpu, "pid": os.getpid(), "node": node}
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None = None):
         return _timed(self.searcher.find, queries, k, nprobe, pointers)
@@ -107,10 +110,18 @@ def actor_name(info: DatastoreInfo, shard: str) -> str:
 def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list:
     """One named actor per shard of this datastore version, loaded before this returns.
 
-    Ray restarts a dead actor (reloading its shard) under the same name and handle."""
+    Ray restarts a dead actor (reloading its shard) under the same name and handle, on any node
+    with the actor's resources (`knn.shard_resources`), when one is or becomes available."""
     import ray
 
     use_gpu = knn.gpu if knn.gpu is not None else gpu_available()
+    missing = sorted(set(knn.shard_resources) - set(ray.cluster_resources()))
+    if missing:
+        raise KnnlmError(
+            f"knn.shard_resources names {missing}, which no node of the Ray cluster offers: start a node with "
+            f"`ray start --address <head> --resources '{{\"{missing[0]}\": 1}}'`, or change knn.shard_resources",
+            ErrorKind.UNAVAILABLE,
+        )
     actors = [
         ray.remote(ShardActor)
         .options(
@@ -120,6 +131,7 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list:
             max_restarts=-1,
             num_cpus=0,
             num_gpus=knn.gpu_fraction if use_gpu else 0,
+            resources=dict(knn.shard_resources) or None,
         )
         .remote(info.path, shard, use_gpu, knn.shard_threads)
         for shard in info.shards

@@ -60,3 +60,38 @@ def greedy(server, prompt, max_tokens: int, model: str = "tiny", **xargs):
         )
         .choices[0]
     )
+
+
+def stream_while(server, prompt: list[int], max_tokens: int, during, clients: int = 16, model: str = "tiny") -> tuple[list, list]:
+    """`clients` threads stream greedy completions of `prompt` back to back while `during()` runs;
+    the token ids of every response, and every failure."""
+    import threading
+
+    results, errors, stop = [], [], threading.Event()
+
+    def client():
+        openai_client = server.openai_client()
+        while not stop.is_set():
+            try:
+                stream = openai_client.completions.create(
+                    model=model,
+                    prompt=prompt,
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"return_token_ids": True},
+                )
+                results.append([t for chunk in stream for t in (chunk.choices[0].token_ids or [])])
+            except Exception as e:  # noqa: BLE001 - every failure is the caller's to judge
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        during()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+    return results, errors

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import requests
-from conftest import TINY_SERVER, greedy, make_tiny_llama, prompt_logprobs
+from conftest import TINY_SERVER, greedy, make_tiny_llama, prompt_logprobs, stream_while
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -144,43 +144,21 @@ def test_bad_loads_are_4xx_and_leave_serving_unchanged(server, ids, path, body, 
     assert complete(server, ids["prompt"]) == ids["a"]
 
 
-def test_swap_twice_under_streaming_load(server, ids):
-    results, errors, stop = [], [], threading.Event()
-
-    def client():
-        openai_client = server.openai_client()
-        while not stop.is_set():
-            try:
-                stream = openai_client.completions.create(
-                    model="tiny",
-                    prompt=ids["prompt"],
-                    max_tokens=CONTINUATION,
-                    temperature=0,
-                    stream=True,
-                    extra_body={"return_token_ids": True},
-                )
-                tokens = [t for chunk in stream for t in (chunk.choices[0].token_ids or [])]
-                results.append(tokens)
-            except Exception as e:  # noqa: BLE001 - every failure is a test failure
-                errors.append(repr(e))
-
-    threads = [threading.Thread(target=client) for _ in range(16)]
-    for t in threads:
-        t.start()
-    try:
-        for path, expect in (("b", "b"), ("a", "a")):
-            time.sleep(2)
-            response = admin(server, "POST", "/datastores", name="main", path=path)
-            assert response.status_code == 200, response.text
-            deadline = time.monotonic() + 60
-            while complete(server, ids["prompt"]) != ids[expect]:
-                assert time.monotonic() < deadline, "the swap never took effect"
-                time.sleep(0.2)
+def swap_to_b_and_back(server, ids) -> None:
+    """Hot-swap `main` to b, then back to a, each once it is seen serving; 2 s of traffic around each."""
+    for path, expect in (("b", "b"), ("a", "a")):
         time.sleep(2)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
+        response = admin(server, "POST", "/datastores", name="main", path=path)
+        assert response.status_code == 200, response.text
+        deadline = time.monotonic() + 60
+        while complete(server, ids["prompt"]) != ids[expect]:
+            assert time.monotonic() < deadline, "the swap never took effect"
+            time.sleep(0.2)
+    time.sleep(2)
+
+
+def test_swap_twice_under_streaming_load(server, ids):
+    results, errors = stream_while(server, ids["prompt"], CONTINUATION, lambda: swap_to_b_and_back(server, ids))
     assert errors == []
     assert len(results) > 16
     mixed = [r for r in results if r not in (ids["a"], ids["b"])]
@@ -213,14 +191,7 @@ def test_explanations_come_from_the_version_each_request_was_pinned_to(server, i
     for t in threads:
         t.start()
     try:
-        for path, expect in (("b", "b"), ("a", "a")):
-            time.sleep(2)
-            assert admin(server, "POST", "/datastores", name="main", path=path).status_code == 200
-            deadline = time.monotonic() + 60
-            while complete(server, ids["prompt"]) != ids[expect]:
-                assert time.monotonic() < deadline, "the swap never took effect"
-                time.sleep(0.2)
-        time.sleep(2)
+        swap_to_b_and_back(server, ids)
     finally:
         stop.set()
         for t in threads:

@@ -124,7 +124,9 @@ class DatastoreRegistry:
             if described is None:
                 entry["status"] = "unavailable"
             else:
-                entry.update(status="ok", pid=described["pid"], entries=described["entries"], on_gpu=described["on_gpu"])
+                entry.update(
+                    status="ok", pid=described["pid"], node=described["node"], entries=described["entries"], on_gpu=described["on_gpu"]
+                )
                 previous = self._pids.setdefault(entry["actor"], described["pid"])
                 if previous != described["pid"]:
                     metrics.SHARD_RESTARTS.labels(info.name, shard).inc()

@@ -1,0 +1,130 @@
+"""Shards on another node of a real two-node Ray cluster (Ray's own test-cluster utility: two
+raylets on this machine): placement by `knn.shard_resources`, a hot-swap under streaming load, the
+shard node's raylet killed and the node coming back, with the server running throughout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+from conftest import TINY_SERVER, greedy, stream_while
+
+from index_builder.build import build_datastore
+from knnlm_core.config import BuildConfig
+from knnlm_serve.server.process import RunningServer, metric_total, scrape_metrics
+
+pytestmark = pytest.mark.slow
+
+PREFIX = "The miller at the edge of the marsh kept a ledger in which he wrote that every autumn"
+TEXTS = {
+    "a": PREFIX + " the herons came back to the reeds a day before the first frost, and never later.",
+    "b": PREFIX + " a stranger in a grey coat bought all his flour and paid in coins from a drowned city.",
+}
+TOKEN, CONTINUATION, SHARD_RESOURCE = "s3cret", 12, "knn_shards"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    shard_node = cluster.add_node(num_cpus=1, resources={SHARD_RESOURCE: 1})
+    cluster.wait_for_nodes()
+    yield cluster, shard_node
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ids(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prefix = tokenizer(PREFIX).input_ids
+    return {"prompt": prefix, **{k: tokenizer(t).input_ids[len(prefix) : len(prefix) + CONTINUATION] for k, t in TEXTS.items()}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    for name, text in TEXTS.items():
+        (root / f"{name}.txt").write_text(text)
+        build_datastore([root / f"{name}.txt"], root / name, tiny_model_dir, BuildConfig(index="flat", shards=2), progress=False)
+    knn = {
+        "datastores": {"main": str(root / "a")},
+        "k": 8,
+        "lambda": 1.0,
+        "admin_token": TOKEN,
+        "datastore_root": str(root),
+        "ray_address": cluster[0].address,
+        "ray_namespace": "knnlm-cluster-test",
+        "shard_resources": {SHARD_RESOURCE: 0.01},
+        "shard_timeout_s": 1.0,
+    }
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
+        yield server
+
+
+def admin(server, method, route, **body):
+    return requests.request(method, f"{server.base_url}/v1/knn{route}", json=body or None, headers={"X-Admin-Token": TOKEN}, timeout=120)
+
+
+def shard_nodes(server) -> set[str | None]:
+    return {s.get("node") for s in admin(server, "GET", "/health").json()["shards"]}
+
+
+def fallbacks(server) -> float:
+    return metric_total(scrape_metrics(server.base_url), "knnlm_fallbacks_total")
+
+
+def complete(server, ids) -> list[int]:
+    return greedy(server, ids["prompt"], CONTINUATION).token_ids
+
+
+def until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def test_shards_live_on_the_node_with_their_resource(server, cluster, ids):
+    head, shard_node = cluster[0].head_node, cluster[1]
+    assert shard_nodes(server) == {shard_node.node_id} != {head.node_id}
+    assert complete(server, ids) == ids["a"]
+
+
+def test_a_hot_swap_under_streaming_load_loses_nothing(server, ids):
+    def swap_to_b():
+        time.sleep(2)
+        assert admin(server, "POST", "/datastores", name="main", path="b").status_code == 200
+        until(lambda: complete(server, ids) == ids["b"], 60, "the swap never took effect")
+        time.sleep(2)
+
+    results, errors = stream_while(server, ids["prompt"], CONTINUATION, swap_to_b)
+    assert errors == [] and len(results) > 16
+    assert ids["a"] in results and ids["b"] in results
+    assert [r for r in results if r not in (ids["a"], ids["b"])] == [], "a response mixed two datastore versions"
+
+
+def test_the_shard_node_dies_and_comes_back_without_a_restart(server, cluster, ids):
+    ray_cluster, shard_node = cluster
+    expected = complete(server, ids)  # whichever version the swap test left serving
+    before = fallbacks(server)
+
+    def lose_the_node():
+        time.sleep(2)
+        ray_cluster.remove_node(shard_node, allow_graceful=False)  # its raylet and workers killed
+        until(lambda: fallbacks(server) > before, 60, "no fallback was counted while the shards were gone")
+        time.sleep(2)
+
+    results, errors = stream_while(server, ids["prompt"], CONTINUATION, lose_the_node)
+    assert errors == [] and results, errors  # requests were served LM-only, none failed
+    assert fallbacks(server) > before
+
+    new_node = ray_cluster.add_node(num_cpus=1, resources={SHARD_RESOURCE: 1})
+    ray_cluster.wait_for_nodes()
+    until(lambda: shard_nodes(server) == {new_node.node_id}, 180, "the shards never came back on the new node")
+    until(lambda: complete(server, ids) == expected, 60, "kNN never served again after the node came back")
+    settled = fallbacks(server)
+    assert complete(server, ids) == expected and fallbacks(server) == settled
