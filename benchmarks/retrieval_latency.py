@@ -14,7 +14,7 @@ same keys, as IVF-PQ with the project's `index_factory_string("ivfpq", entries, 
 under `--workdir` and reused when their parameters match.
 
 Each cell times the in-process backend and a Ray one in turn on the same queries: first plain
-actor calls (`RayRetriever(compiled=False)`, the transport before Ray Compiled Graphs, with no
+actor calls (`knn.compiled_graphs: false`, the default transport, with no
 graph on the actors), then `RayRetriever` on its compiled graphs (one per shard, torn down
 before the next layout). Ray overhead is ray p50 - local p50 of the same cell (negative when
 Ray's parallel shards beat the in-process sequential loop over shards); the report's
@@ -315,7 +315,7 @@ def _cpu_model() -> str | None:
 class Retrievers:
     """The project's backends behind one call, `search(backend, name, queries, k, nprobe)`: `local`
     (in-process), `ray` (RayRetriever: a Ray Compiled Graph per shard actor) and `ray_plain`
-    (RayRetriever without graphs: plain actor calls, the transport before compiled graphs).
+    (RayRetriever without graphs: plain actor calls, the default transport).
 
     The slowest shard's in-actor search time is kept per Ray call, to split Ray's time into
     search and transport."""
@@ -325,11 +325,11 @@ class Retrievers:
 
         self.runtime = runtime
         # Keep the handles: named actors without a live handle are garbage-collected.
-        self.actors = [a for info in runtime.datastores.values() for a in r.start_shard_actors(info, runtime.knn)]
+        self.actors = [r.start_shard_actors(info, runtime.knn) for info in runtime.datastores.values()]
         self.backends = {
             "local": r.LocalRetriever(runtime.knn),
-            "ray": r.RayRetriever(runtime.knn, runtime.ray_address),
-            "ray_plain": r.RayRetriever(runtime.knn, runtime.ray_address, compiled=False),
+            "ray": r.RayRetriever(runtime.knn.model_copy(update={"compiled_graphs": True}), runtime.ray_address),
+            "ray_plain": r.RayRetriever(runtime.knn.model_copy(update={"compiled_graphs": False}), runtime.ray_address),
         }
         self.slowest_shard_s: dict[str, list[float]] = {"ray": [], "ray_plain": []}
 
@@ -478,7 +478,7 @@ def measure(args, record: dict, final: Path) -> dict:
 
 
 def overhead_summary(cells: list[dict]) -> dict:
-    """ray p50 - local p50 per cell, for the compiled graphs and for the plain calls before them."""
+    """ray p50 - local p50 per cell, for the compiled graphs and for plain calls (the default)."""
     return {
         "what": "Ray overhead over in-process search: ray p50 - local p50 of the same cell (ms); "
         "compiled_graphs is RayRetriever now, plain_calls the actor calls it used before (and falls back to)",

@@ -116,6 +116,12 @@ class KnnConfig(_Strict):
     gpu: bool | None = Field(None, description="FAISS on GPU; default: when faiss-gpu sees a device")
     gpu_fraction: float = Field(0.1, gt=0, le=1, description="share of a GPU each Ray shard actor reserves")
     shard_threads: int | None = Field(None, gt=0, description="FAISS threads per shard actor; default: the node's cores")
+    compiled_graphs: bool = Field(
+        False,
+        description="reach shard actors through Ray Compiled Graphs: ~0.5 ms round trips instead of 3-5, but every graph's "
+        "reader polls a core, idle or not; for hosts with a core to spare per shard actor",
+    )
+    replicas: int = Field(1, ge=1, description="actors per shard; a step asks one, another when it fails or is late (spread over nodes)")
     shard_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray custom resources each shard actor requires, e.g. {knn_shards: 0.01}: places the shards on the "

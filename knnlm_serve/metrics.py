@@ -56,4 +56,4 @@ SWAP_SECONDS = Histogram(
     ["datastore"],
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
-SHARD_RESTARTS = Counter("knnlm_shard_restarts", "shard actors that Ray restarted", ["datastore", "shard"])
+SHARD_RESTARTS = Counter("knnlm_shard_restarts", "shard actors that Ray restarted", ["datastore", "shard", "replica"])

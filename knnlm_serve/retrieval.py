@@ -103,15 +103,17 @@ class ShardActor:
         return _timed(self.searcher.find, queries, k, nprobe, pointers)
 
 
-def actor_name(info: DatastoreInfo, shard: str) -> str:
-    return f"{info.name}@{info.version}/{shard}"
+def actor_name(info: DatastoreInfo, shard: str, replica: int = 0) -> str:
+    return f"{info.name}@{info.version}/{shard}" + (f"#{replica}" if replica else "")
 
 
-def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list:
-    """One named actor per shard of this datastore version, loaded before this returns.
+def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
+    """`knn.replicas` named actors per shard of this datastore version (per shard, a list of
+    replicas), loaded before this returns. Replicas of a shard are spread over the nodes that offer
+    `knn.shard_resources`, as far as Ray can.
 
     Ray restarts a dead actor (reloading its shard) under the same name and handle, on any node
-    with the actor's resources (`knn.shard_resources`), when one is or becomes available."""
+    with the actor's resources, when one is or becomes available."""
     import ray
 
     use_gpu = knn.gpu if knn.gpu is not None else gpu_available()
@@ -123,108 +125,111 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list:
             ErrorKind.UNAVAILABLE,
         )
     actors = [
-        ray.remote(ShardActor)
-        .options(
-            name=actor_name(info, shard),
-            namespace=knn.ray_namespace,
-            get_if_exists=True,
-            max_restarts=-1,
-            num_cpus=0,
-            num_gpus=knn.gpu_fraction if use_gpu else 0,
-            resources=dict(knn.shard_resources) or None,
-        )
-        .remote(info.path, shard, use_gpu, knn.shard_threads)
+        [
+            ray.remote(ShardActor)
+            .options(
+                name=actor_name(info, shard, replica),
+                namespace=knn.ray_namespace,
+                get_if_exists=True,
+                max_restarts=-1,
+                num_cpus=0,
+                num_gpus=knn.gpu_fraction if use_gpu else 0,
+                resources=dict(knn.shard_resources) or None,
+                scheduling_strategy="SPREAD" if knn.replicas > 1 else "DEFAULT",
+            )
+            .remote(info.path, shard, use_gpu, knn.shard_threads)
+            for replica in range(knn.replicas)
+        ]
         for shard in info.shards
     ]
-    ray.get([a.describe.remote() for a in actors])
+    ray.get([a.describe.remote() for replicas in actors for a in replicas])
     return actors
 
 
 class RayRetriever:
-    """Fans a step's queries out to every shard actor in parallel and merges what comes back in time.
+    """Fans a step's queries out to every shard in parallel and merges what comes back in time.
 
-    Each shard actor serves this process through its own Ray Compiled Graph (`InputNode ->
+    Plain actor calls by default. With `knn.compiled_graphs`, each shard actor serves this
+    process through its own Ray Compiled Graph (`InputNode ->
     ShardActor.search`): the queries and the answer travel through shared-memory channels instead
     of a task submission, the object store and the raylet, so a round trip costs ~0.3-0.5 ms
     instead of 3-4 ms here (the answer, 512 KB at batch 32 and k 1024, is over Ray's 100 KB
-    inlining limit and went through the object store). One graph per shard, not one over all
+    inlining limit and went through the object store). One graph per actor, not one over all
     shards, so that each shard has its own deadline and a late or dead shard fails alone
     (`on_shard_failure: partial`).
 
-    A graph's reader busy-waits with `sched_yield` between steps: it takes an idle core but yields
-    to any runnable thread (measured here: a 2-thread torch loop in the caller is not slowed by an
-    idle graph, while the spinning actor takes ~1 core when one is idle).
+    A graph's reader busy-waits with `sched_yield` between steps, idle or not: on this 2-core
+    machine two idle graphs held their actors at ~50% CPU each and the engine's worker at 100%,
+    enough to stall a second engine's start for minutes; hence off by default.
 
     Graphs are built in a background thread (compile, then a first execution that starts the
-    actor's loop: seconds here), per datastore version; until a shard's graph is ready, and after
-    it fails (timeout, actor death), that shard is searched through plain `actor.search.remote`
+    actor's loop: seconds here), per datastore version; until an actor's graph is ready, and after
+    it fails (timeout, actor death), that actor is searched through plain `actor.search.remote`
     and its graph is rebuilt once the actor answers again. Tearing a graph down waits for the
-    actor (forever while it is stopped), so that happens in the background too."""
+    actor (forever while it is stopped), so that happens in the background too.
 
-    def __init__(self, knn: KnnConfig, ray_address: str | None, compiled: bool = True):
+    With replicas (`knn.replicas`), a step asks one replica per shard, in turn (replicas that
+    failed in the last `SUSPECT_S` seconds last), and each replica it asks gets an equal share of
+    what is left of the step's deadline: a dead replica fails at once and the next answers; a hung
+    one costs its share of one step, then is asked last. The step falls back only when every
+    replica of a shard failed."""
+
+    def __init__(self, knn: KnnConfig, ray_address: str | None):
         import ray
 
         if not ray.is_initialized():
             ray.init(address=ray_address, namespace=knn.ray_namespace, log_to_driver=False)
         self.knn = knn
-        self.compiled = compiled
-        self._actors: dict[tuple[str, int], list] = {}
-        self._graphs: dict[tuple[str, int], list] = {}  # per shard: its compiled graph, or None (plain path)
+        self.compiled = knn.compiled_graphs
+        self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
+        self._graphs: dict[tuple[str, int], dict[tuple[int, int], object]] = {}  # (shard, replica) -> graph or None
+        self._suspect: dict[tuple[str, int, int, int], float] = {}  # (version, shard, replica) -> until when
+        self._turn = 0
         self._lock = threading.Lock()
 
-    def _handles(self, info: DatastoreInfo) -> list:
+    def _handles(self, info: DatastoreInfo) -> list[list]:
         import ray
 
         if info.key not in self._actors:
-            actors = [ray.get_actor(actor_name(info, s), namespace=self.knn.ray_namespace) for s in info.shards]
+            actors = [
+                [ray.get_actor(actor_name(info, shard, r), namespace=self.knn.ray_namespace) for r in range(self.knn.replicas)]
+                for shard in info.shards
+            ]
+            slots = [(index, r) for index, replicas in enumerate(actors) for r in range(len(replicas))]
             with self._lock:
-                self._actors[info.key], self._graphs[info.key] = actors, [None] * len(actors)
+                self._actors[info.key], self._graphs[info.key] = actors, dict.fromkeys(slots)
             if self.compiled:
-                for index in range(len(actors)):
-                    self._start_build(info.key, index, None)
+                for slot in slots:
+                    self._start_build(info.key, slot, None)
         return self._actors[info.key]
 
     def compiled_shards(self, info: DatastoreInfo) -> list[str]:
-        """The shards of this version searched through their compiled graph (the others: plain calls)."""
-        graphs = self._graphs.get(info.key, [])
-        return [shard for shard, graph in zip(info.shards, graphs) if graph is not None]
+        """The shards of this version whose every replica is searched through its compiled graph."""
+        graphs = self._graphs.get(info.key, {})
+        ready = [[g is not None for (i, _), g in graphs.items() if i == index] for index in range(len(info.shards))]
+        return [shard for shard, replicas in zip(info.shards, ready) if replicas and all(replicas)]
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
-        import ray
-
         # Plain calls pass the queries with the call, not through ray.put: Ray inlines arguments
         # under 100 KB (a step's batch of 32 is 74 KB) and puts larger ones itself.
         queries = np.ascontiguousarray(queries, dtype=np.float32)
+        args = (queries, k, nprobe, pointers)
         actors = self._handles(info)
         deadline = time.monotonic() + self.knn.shard_timeout_s
-        graph_calls, plain_calls = {}, {}
-        for index, (shard, actor, graph) in enumerate(zip(info.shards, actors, list(self._graphs[info.key]))):
-            if graph is not None:
-                try:
-                    graph_calls[shard] = (index, graph, graph.execute(queries, k, nprobe, pointers))
-                    continue
-                except ray.exceptions.RayError:  # the graph was closed (its actor died): rebuild it, call plainly
-                    self._drop(info.key, index, graph)
-            plain_calls[shard] = actor.search.remote(queries, k, nprobe, pointers)
+        self._turn += 1
+        orders = [self._order(info.key, index, len(replicas)) for index, replicas in enumerate(actors)]
+        calls = [self._call(info.key, index, order[0], actors, args) for index, order in enumerate(orders)]
         found, seconds, failed = {}, {}, {}
-        for shard, (index, graph, ref) in graph_calls.items():
-            try:
-                *found[shard], seconds[shard] = ref.get(timeout=max(0.0, deadline - time.monotonic()))
-            except ray.exceptions.RayError as e:
-                failed[shard] = "shard_timeout" if isinstance(e, ray.exceptions.RayChannelTimeoutError) else "shard_error"
-                self._drop(info.key, index, graph)
-        if plain_calls:
-            refs = list(plain_calls.values())
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
-            for shard, ref in plain_calls.items():
-                if ref not in ready:
-                    failed[shard] = "shard_timeout"
-                    ray.cancel(ref)
-                    continue
-                try:
-                    *found[shard], seconds[shard] = ray.get(ref)
-                except ray.exceptions.RayError:
-                    failed[shard] = "shard_error"
+        for index, (shard, order) in enumerate(zip(info.shards, orders)):
+            for attempt, replica in enumerate(order):
+                call = calls[index] if attempt == 0 else self._call(info.key, index, replica, actors, args)
+                share = max(0.0, deadline - time.monotonic()) / (len(order) - attempt)
+                answer, reason = self._wait(info.key, index, replica, call, share)
+                if answer is not None:
+                    *found[shard], seconds[shard] = answer
+                    failed.pop(shard, None)
+                    break
+                failed[shard] = reason
         if failed and (not found or self.knn.on_shard_failure == "lm_only"):
             reason = next(iter(failed.values()))
             raise RetrievalError(f"datastore {info.name!r} v{info.version}: shards {failed}", reason)
@@ -234,29 +239,64 @@ class RayRetriever:
             distances, tokens, ids = np.array(distances), np.array(tokens), np.array(ids)
         return SearchResult(distances, tokens, ids, seconds, failed)
 
+    def _order(self, key: tuple[str, int], index: int, replicas: int) -> list[int]:
+        """This step's replicas of a shard, in turn, the recently failed ones last."""
+        now = time.monotonic()
+        turn = [(self._turn + r) % replicas for r in range(replicas)]
+        return sorted(turn, key=lambda r: self._suspect.get((*key, index, r), 0.0) > now)
+
+    def _call(self, key: tuple[str, int], index: int, replica: int, actors: list[list], args: tuple):
+        """Start one replica's search: through its graph when it has one, else a plain call."""
+        import ray
+
+        graph = self._graphs[key].get((index, replica))
+        if graph is not None:
+            try:
+                return graph, graph.execute(*args)
+            except ray.exceptions.RayError:  # the graph was closed (its actor died): rebuild it, call plainly
+                self._drop(key, (index, replica), graph)
+        return None, actors[index][replica].search.remote(*args)
+
+    def _wait(self, key: tuple[str, int], index: int, replica: int, call, timeout: float) -> tuple[tuple | None, str]:
+        """(the replica's answer, "") or (None, why not) after at most `timeout` seconds."""
+        import ray
+
+        graph, ref = call
+        try:
+            return (ref.get(timeout=timeout) if graph is not None else ray.get(ref, timeout=timeout)), ""
+        except ray.exceptions.RayError as e:
+            timed_out = isinstance(e, (ray.exceptions.RayChannelTimeoutError, ray.exceptions.GetTimeoutError))
+            self._suspect[(*key, index, replica)] = time.monotonic() + SUSPECT_S
+            if graph is not None:
+                self._drop(key, (index, replica), graph)
+            elif timed_out:
+                ray.cancel(ref)
+            return None, "shard_timeout" if timed_out else "shard_error"
+
     def release(self, keep: set[tuple[str, int]]) -> None:
         with self._lock:
             gone = set(self._actors) - keep
-            dropped = [graph for key in gone for graph in self._graphs.pop(key) if graph is not None]
+            dropped = [graph for key in gone for graph in self._graphs.pop(key).values() if graph is not None]
             for key in gone:
                 del self._actors[key]
+            self._suspect = {s: until for s, until in self._suspect.items() if s[:2] in keep}
         if dropped:
             threading.Thread(target=_teardown, args=(dropped,), name="knnlm-graph-teardown", daemon=True).start()
 
-    def _drop(self, key: tuple[str, int], index: int, graph) -> None:
-        """A shard's graph failed: its shard goes back to plain calls until a new graph is built."""
+    def _drop(self, key: tuple[str, int], slot: tuple[int, int], graph) -> None:
+        """An actor's graph failed: the actor goes back to plain calls until a new graph is built."""
         with self._lock:
             graphs = self._graphs.get(key)
-            if graphs is None or graphs[index] is not graph:
+            if graphs is None or graphs.get(slot) is not graph:
                 return  # released, or already dropped
-            graphs[index] = None
-        self._start_build(key, index, graph)
+            graphs[slot] = None
+        self._start_build(key, slot, graph)
 
-    def _start_build(self, key: tuple[str, int], index: int, failed) -> None:
-        name = f"knnlm-graph-{key[0]}@{key[1]}/{index}"
-        threading.Thread(target=self._build, args=(key, index, failed), name=name, daemon=True).start()
+    def _start_build(self, key: tuple[str, int], slot: tuple[int, int], failed) -> None:
+        name = f"knnlm-graph-{key[0]}@{key[1]}/{slot[0]}#{slot[1]}"
+        threading.Thread(target=self._build, args=(key, slot, failed), name=name, daemon=True).start()
 
-    def _build(self, key: tuple[str, int], index: int, failed) -> None:
+    def _build(self, key: tuple[str, int], slot: tuple[int, int], failed) -> None:
         """In a background thread: tear the failed graph down (an actor runs one graph at a time),
         then compile a new one as soon as the actor answers, retrying while the version is in use."""
         import ray
@@ -267,24 +307,30 @@ class RayRetriever:
             with self._lock:
                 if key not in self._actors:
                     return
-                actor = self._actors[key][index]
+                actor = self._actors[key][slot[0]][slot[1]]
             try:
                 dim = ray.get(actor.describe.remote(), timeout=GRAPH_START_TIMEOUT_S)["dim"]
                 graph = compile_shard_graph(actor, dim)
-            except Exception as e:  # noqa: BLE001 - any failure: plain calls serve the shard, retry later
+            except Exception as e:  # noqa: BLE001 - any failure: plain calls serve the actor, retry later
                 logger.warning(
-                    "%s@%s shard %d: no compiled graph (%s: %s); retrying in %.0f s", *key, index, type(e).__name__, e, GRAPH_RETRY_S
+                    "%s@%s shard %d replica %d: no compiled graph (%s: %s); retrying in %.0f s",
+                    *key,
+                    *slot,
+                    type(e).__name__,
+                    e,
+                    GRAPH_RETRY_S,
                 )
                 time.sleep(GRAPH_RETRY_S)
                 continue
             with self._lock:
                 if key in self._graphs:
-                    self._graphs[key][index] = graph
+                    self._graphs[key][slot] = graph
                     return
             _teardown([graph])  # released while it was being built
             return
 
 
+SUSPECT_S = 30.0  # a replica that failed is asked last for this long
 GRAPH_START_TIMEOUT_S = 60.0  # a new graph's first execution starts the actor's loop: 1.5-4 s measured here
 GRAPH_RETRY_S = 5.0  # between attempts to build a shard's graph
 

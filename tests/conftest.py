@@ -62,10 +62,14 @@ def greedy(server, prompt, max_tokens: int, model: str = "tiny", **xargs):
     )
 
 
-def stream_while(server, prompt: list[int], max_tokens: int, during, clients: int = 16, model: str = "tiny") -> tuple[list, list]:
+def stream_while(
+    server, prompt: list[int], max_tokens: int, during, clients: int = 16, model: str = "tiny", gaps: list | None = None
+) -> tuple[list, list]:
     """`clients` threads stream greedy completions of `prompt` back to back while `during()` runs;
-    the token ids of every response, and every failure."""
+    the token ids of every response, and every failure. `gaps` collects each response's longest
+    wait between two chunks."""
     import threading
+    import time
 
     results, errors, stop = [], [], threading.Event()
 
@@ -81,7 +85,14 @@ def stream_while(server, prompt: list[int], max_tokens: int, during, clients: in
                     stream=True,
                     extra_body={"return_token_ids": True},
                 )
-                results.append([t for chunk in stream for t in (chunk.choices[0].token_ids or [])])
+                tokens, last, longest = [], None, 0.0
+                for chunk in stream:
+                    now = time.monotonic()
+                    longest, last = (max(longest, now - last) if last is not None else longest), now
+                    tokens.extend(chunk.choices[0].token_ids or [])
+                results.append(tokens)
+                if gaps is not None:
+                    gaps.append(longest)
             except Exception as e:  # noqa: BLE001 - every failure is the caller's to judge
                 errors.append(repr(e))
 

@@ -1,6 +1,7 @@
 """Shards on another node of a real two-node Ray cluster (Ray's own test-cluster utility: two
 raylets on this machine): placement by `knn.shard_resources`, a hot-swap under streaming load, the
-shard node's raylet killed and the node coming back, with the server running throughout."""
+shard node's raylet killed and the node coming back, with the server running throughout; then
+replicas on both nodes, where losing a node costs no fallback."""
 
 from __future__ import annotations
 
@@ -21,17 +22,24 @@ TEXTS = {
     "a": PREFIX + " the herons came back to the reeds a day before the first frost, and never later.",
     "b": PREFIX + " a stranger in a grey coat bought all his flour and paid in coins from a drowned city.",
 }
-TOKEN, CONTINUATION, SHARD_RESOURCE = "s3cret", 12, "knn_shards"
+TOKEN, CONTINUATION = "s3cret", 12
+SHARD_RESOURCE, ANY_NODE = "knn_shards", "knn_any"  # only the second node offers the first; both the second
+
+
+def add_shard_node(cluster):
+    node = cluster.add_node(num_cpus=1, resources={SHARD_RESOURCE: 1, ANY_NODE: 1})
+    cluster.wait_for_nodes()
+    return node
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    """{"cluster": Ray's test cluster, "shard_node": its second node (replaced when a test kills it)}."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    shard_node = cluster.add_node(num_cpus=1, resources={SHARD_RESOURCE: 1})
-    cluster.wait_for_nodes()
-    yield cluster, shard_node
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False, "resources": {ANY_NODE: 1}})
+    state = {"cluster": cluster, "shard_node": add_shard_node(cluster)}
+    yield state
     cluster.shutdown()
 
 
@@ -45,23 +53,34 @@ def ids(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, cluster, tmp_path_factory):
+def root(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     for name, text in TEXTS.items():
         (root / f"{name}.txt").write_text(text)
         build_datastore([root / f"{name}.txt"], root / name, tiny_model_dir, BuildConfig(index="flat", shards=2), progress=False)
+    return root
+
+
+def serve(tiny_model_dir, cluster, root, **knn_settings):
     knn = {
         "datastores": {"main": str(root / "a")},
         "k": 8,
         "lambda": 1.0,
         "admin_token": TOKEN,
         "datastore_root": str(root),
-        "ray_address": cluster[0].address,
-        "ray_namespace": "knnlm-cluster-test",
+        "ray_address": cluster["cluster"].address,
         "shard_resources": {SHARD_RESOURCE: 0.01},
         "shard_timeout_s": 1.0,
+        **knn_settings,
     }
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
+    workdir = root / knn["ray_namespace"]  # the server's log and config
+    workdir.mkdir(exist_ok=True)
+    return RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, workdir)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, cluster, root):
+    with serve(tiny_model_dir, cluster, root, ray_namespace="knnlm-cluster-test") as server:
         yield server
 
 
@@ -69,8 +88,8 @@ def admin(server, method, route, **body):
     return requests.request(method, f"{server.base_url}/v1/knn{route}", json=body or None, headers={"X-Admin-Token": TOKEN}, timeout=120)
 
 
-def shard_nodes(server) -> set[str | None]:
-    return {s.get("node") for s in admin(server, "GET", "/health").json()["shards"]}
+def shard_nodes(server, replica: int = 0) -> set[str | None]:
+    return {s.get("node") for s in admin(server, "GET", "/health").json()["shards"] if s["replica"] == replica}
 
 
 def fallbacks(server) -> float:
@@ -89,7 +108,7 @@ def until(condition, timeout: float, what: str) -> None:
 
 
 def test_shards_live_on_the_node_with_their_resource(server, cluster, ids):
-    head, shard_node = cluster[0].head_node, cluster[1]
+    head, shard_node = cluster["cluster"].head_node, cluster["shard_node"]
     assert shard_nodes(server) == {shard_node.node_id} != {head.node_id}
     assert complete(server, ids) == ids["a"]
 
@@ -108,7 +127,7 @@ def test_a_hot_swap_under_streaming_load_loses_nothing(server, ids):
 
 
 def test_the_shard_node_dies_and_comes_back_without_a_restart(server, cluster, ids):
-    ray_cluster, shard_node = cluster
+    ray_cluster, shard_node = cluster["cluster"], cluster["shard_node"]
     expected = complete(server, ids)  # whichever version the swap test left serving
     before = fallbacks(server)
 
@@ -122,9 +141,26 @@ def test_the_shard_node_dies_and_comes_back_without_a_restart(server, cluster, i
     assert errors == [] and results, errors  # requests were served LM-only, none failed
     assert fallbacks(server) > before
 
-    new_node = ray_cluster.add_node(num_cpus=1, resources={SHARD_RESOURCE: 1})
-    ray_cluster.wait_for_nodes()
+    new_node = cluster["shard_node"] = add_shard_node(ray_cluster)
     until(lambda: shard_nodes(server) == {new_node.node_id}, 180, "the shards never came back on the new node")
     until(lambda: complete(server, ids) == expected, 60, "kNN never served again after the node came back")
     settled = fallbacks(server)
     assert complete(server, ids) == expected and fallbacks(server) == settled
+
+
+def test_with_a_replica_on_each_node_losing_one_costs_no_fallback(tiny_model_dir, cluster, root, ids):
+    ray_cluster, head = cluster["cluster"], cluster["cluster"].head_node
+    with serve(tiny_model_dir, cluster, root, ray_namespace="knnlm-replicas-test", replicas=2, shard_resources={ANY_NODE: 0.01}) as server:
+        placed = {(s["shard"], s["node"]) for s in admin(server, "GET", "/health").json()["shards"]}
+        assert placed == {(shard, node) for shard in ("shard-000", "shard-001") for node in (head.node_id, cluster["shard_node"].node_id)}
+        assert complete(server, ids) == ids["a"]
+        before = fallbacks(server)
+
+        def lose_the_node():
+            time.sleep(2)
+            ray_cluster.remove_node(cluster["shard_node"], allow_graceful=False)
+            time.sleep(5)
+
+        results, errors = stream_while(server, ids["prompt"], CONTINUATION, lose_the_node)
+        assert errors == [] and results and all(r == ids["a"] for r in results)  # kNN served every step
+        assert fallbacks(server) == before

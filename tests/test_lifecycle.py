@@ -135,11 +135,12 @@ def test_admin_needs_the_admin_token(server):
         ("corrupt", {}, 422, "checksum mismatch"),
     ],
 )
-def test_bad_loads_are_4xx_and_leave_serving_unchanged(server, ids, path, body, status, message):
+def test_bad_loads_are_4xx_and_leave_serving_unchanged(server, root, ids, path, body, status, message):
     before = admin(server, "GET", "/datastores").json()
     response = admin(server, "POST", "/datastores", name="main", path=path, **body)
     assert response.status_code == status, response.text
     assert message in response.json()["error"]["message"]
+    assert path in response.json()["error"]["message"] and str(root) not in response.json()["error"]["message"]
     assert admin(server, "GET", "/datastores").json() == before
     assert complete(server, ids["prompt"]) == ids["a"]
 
@@ -245,6 +246,41 @@ def test_killed_shard_actor_never_fails_a_request_and_recovers(server, ids):
         time.sleep(0.5)
     assert total(scrape(server), "knnlm_shard_restarts_total") >= 1
     np.testing.assert_allclose(prompt_logprobs(server, full_prompt, knn_lambda=0.5), baseline, atol=1e-5)
+
+
+def test_a_stopped_shard_actor_bounds_each_step_by_the_timeout_and_rejoins(server, ids):
+    """A real hang (SIGSTOP, no mock) under streaming load: no request fails, the stopped shard's
+    steps fall back after at most knn.shard_timeout_s, and SIGCONT brings it back."""
+    import os
+    import signal
+
+    timeout_s = 3.0  # the server fixture's knn.shard_timeout_s
+    shard = next(s for s in admin(server, "GET", "/health").json()["shards"] if s["shard"] == "shard-001")
+    before = scrape(server)
+    gaps = []  # the longest wait between two streamed tokens of each request
+
+    def stop_and_resume():
+        time.sleep(1)
+        os.kill(shard["pid"], signal.SIGSTOP)
+        try:
+            time.sleep(3 * timeout_s)
+        finally:
+            os.kill(shard["pid"], signal.SIGCONT)
+        time.sleep(1)
+
+    results, errors = stream_while(server, ids["prompt"], CONTINUATION, stop_and_resume, clients=8, gaps=gaps)
+    assert errors == [] and results
+    timeouts = total(scrape(server), 'knnlm_fallbacks_total{datastore="main",reason="shard_timeout"}') - total(
+        before, 'knnlm_fallbacks_total{datastore="main",reason="shard_timeout"}'
+    )
+    assert timeouts > 0
+    assert max(gaps) < timeout_s + 2.0, f"a step waited {max(gaps):.1f} s, past the {timeout_s} s shard timeout"
+    deadline = time.monotonic() + 60
+    while not admin(server, "GET", "/health").json()["healthy"]:
+        assert time.monotonic() < deadline, "the stopped shard never rejoined"
+        time.sleep(0.5)
+    settled = total(scrape(server), "knnlm_fallbacks_total")
+    assert complete(server, ids["prompt"]) == ids["a"] and total(scrape(server), "knnlm_fallbacks_total") == settled
 
 
 def test_unload_and_default(server, ids):

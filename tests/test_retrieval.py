@@ -1,4 +1,4 @@
-"""RayRetriever with a real local Ray and real shard actors: compiled graphs, their plain fallback, shard faults."""
+"""RayRetriever with a real local Ray and real shard actors: plain calls and compiled graphs, shard and replica faults."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def stores(tmp_path_factory, ray_session):
     for name, shards in (("two", 2), ("one", 1)):
         build_from_keys(keys, values, root / name, model, BuildConfig(index="flat", shards=shards), source="test", progress=False)
         info = DatastoreInfo.of(name, root / name, read_manifest(root / name))
-        out[name] = (info, start_shard_actors(info, knn()))  # the handles keep the named actors alive
+        out[name] = (info, start_shard_actors(info, knn()))  # per shard, its replicas; the handles keep the named actors alive
     return out
 
 
@@ -73,7 +73,7 @@ def assert_same(result, expected) -> None:
 
 @pytest.fixture
 def retriever(ray_session):
-    retriever = RayRetriever(knn(), None)
+    retriever = RayRetriever(knn(compiled_graphs=True), None)
     yield retriever
     retriever.release(set())
 
@@ -81,7 +81,7 @@ def retriever(ray_session):
 def test_compiled_and_plain_calls_answer_as_in_process(stores, retriever):
     """Also with pointer rows, and a one-shard answer (a view of the graph's channel) survives the next step."""
     local = LocalRetriever(knn())
-    plain = RayRetriever(knn(), None, compiled=False)
+    plain = RayRetriever(knn(), None)
     pointers = np.full((8, 5), -1, dtype=np.int64)
     pointers[3, :4] = [7, 2100, 3999, 15]  # a row that follows pointers, in both shards
     for name in ("two", "one"):
@@ -99,7 +99,7 @@ def test_compiled_and_plain_calls_answer_as_in_process(stores, retriever):
 def test_a_stopped_shard_misses_the_deadline_and_rejoins(stores, retriever, ray_session):
     info, actors = stores["two"]
     compiled(retriever, info)
-    pid = ray_session.get(actors[0].describe.remote())["pid"]
+    pid = ray_session.get(actors[0][0].describe.remote())["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
         for step in range(3):  # its graph times out, then plain calls do
@@ -123,13 +123,13 @@ def test_a_stopped_shard_misses_the_deadline_and_rejoins(stores, retriever, ray_
 def test_a_killed_shard_actor_fails_its_steps_until_ray_restarts_it(stores, retriever, ray_session):
     info, actors = stores["two"]
     compiled(retriever, info)
-    before = ray_session.get(actors[1].describe.remote())["pid"]
-    ray_session.kill(actors[1], no_restart=False)
+    before = ray_session.get(actors[1][0].describe.remote())["pid"]
+    ray_session.kill(actors[1][0], no_restart=False)
     failed = until(lambda: retriever.search(info, queries(), K, None).failed_shards, timeout=10)
     assert set(failed) == {"shard-001"} and failed["shard-001"] in ("shard_error", "shard_timeout")
     until(lambda: not retriever.search(info, queries(), K, None).failed_shards)
     until(lambda: retriever.compiled_shards(info) == info.shards)
-    assert ray_session.get(actors[1].describe.remote())["pid"] != before
+    assert ray_session.get(actors[1][0].describe.remote())["pid"] != before
     assert_same(retriever.search(info, queries(), K, None), LocalRetriever(knn()).search(info, queries(), K, None))
 
 
@@ -141,3 +141,35 @@ def test_release_tears_the_graphs_down_without_waiting(stores, retriever):
     retriever.release(set())
     assert time.monotonic() - start < 0.1 and retriever.compiled_shards(info) == []
     compiled(retriever, info)
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["compiled graphs", "plain calls"])
+def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, graphs):
+    """Two replicas per shard: a SIGSTOPped replica costs at most its share of one step's deadline
+    and is then asked last; a killed one fails at once and the other answers. No step falls back."""
+    info, _ = stores["two"]
+    replicated = DatastoreInfo.of(f"replicated-{graphs}", info.path, read_manifest(info.path))
+    actors = start_shard_actors(replicated, knn(replicas=2))
+    retriever = RayRetriever(knn(replicas=2, compiled_graphs=graphs), None)
+    expected = LocalRetriever(knn()).search(replicated, queries(), K, None)
+    if graphs:
+        compiled(retriever, replicated)
+    pid = ray_session.get(actors[0][0].describe.remote())["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        took = []
+        for step in range(6):
+            start = time.monotonic()
+            result = retriever.search(replicated, queries(), K, None)
+            took.append(time.monotonic() - start)
+            assert result.failed_shards == {}, f"step {step} fell back"
+            assert_same(result, expected)
+        # The first step that asks the stopped replica waits its half of the deadline, once.
+        assert max(took) < TIMEOUT_S / 2 + 0.5 and sorted(took)[-2] < 0.3, took
+        ray_session.kill(actors[1][1], no_restart=False)
+        for _ in range(4):
+            assert_same(result := retriever.search(replicated, queries(), K, None), expected)
+            assert result.failed_shards == {}
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        retriever.release(set())

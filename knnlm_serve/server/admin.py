@@ -74,7 +74,7 @@ def resolve_in_root(root: str | None, path: str) -> Path:
     root_dir = Path(root).expanduser().resolve()
     candidate = (root_dir / path).resolve()
     if not candidate.is_relative_to(root_dir):
-        raise KnnlmError(f"path {path!r} resolves to {candidate}, outside the datastore root {root_dir}", ErrorKind.FORBIDDEN)
+        raise KnnlmError(f"path {path!r} resolves outside the datastore root (knn.datastore_root)", ErrorKind.FORBIDDEN)
     return candidate
 
 
@@ -96,7 +96,10 @@ def list_datastores(registry: DatastoreRegistry = Depends(admin_registry)) -> di
 @router.post("/datastores")
 def load_datastore(body: LoadRequest, registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
     path = _admin_call(resolve_in_root, registry.runtime.knn.datastore_root, body.path)
-    info = _admin_call(registry.load, body.name, path, make_default=body.default, key_type=body.key_type)
+    try:
+        info = registry.load(body.name, path, make_default=body.default, key_type=body.key_type)
+    except KnnlmError as e:  # name the path as the client sent it: the server's absolute paths are not theirs
+        raise HTTPException(STATUS[e.kind], str(e).replace(str(path), body.path)) from None
     return {"loaded": info.model_dump(), "default": registry.runtime.default}
 
 

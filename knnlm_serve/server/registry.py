@@ -46,7 +46,7 @@ class DatastoreRegistry:
         self.model = model
         self.runtime = Runtime(knn=knn.settings(), ray_address=ray_address)
         self._engine: EngineLink | None = None  # connected once vLLM's workers are up
-        self._actors: dict[tuple[str, int], list] = {}
+        self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
         self._retired: dict[tuple[str, int], tuple[DatastoreInfo, float]] = {}
         self._versions: dict[str, int] = {}
         self._pids: dict[str, int] = {}
@@ -108,15 +108,22 @@ class DatastoreRegistry:
 
         with self._lock:
             items = [
-                (info, shard, actor)
+                (info, shard, replica, actor)
                 for info in self.runtime.datastores.values()
-                for shard, actor in zip(info.shards, self._actors.get(info.key, []))
+                for shard, replicas in zip(info.shards, self._actors.get(info.key, []))
+                for replica, actor in enumerate(replicas)
             ]
-        refs = [actor.describe.remote() for _, _, actor in items]
+        refs = [actor.describe.remote() for *_, actor in items]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.runtime.knn.shard_timeout_s) if refs else ([], [])
         shards = []
-        for (info, shard, _), ref in zip(items, refs):
-            entry = {"datastore": info.name, "version": info.version, "shard": shard, "actor": actor_name(info, shard)}
+        for (info, shard, replica, _), ref in zip(items, refs):
+            entry = {
+                "datastore": info.name,
+                "version": info.version,
+                "shard": shard,
+                "replica": replica,
+                "actor": actor_name(info, shard, replica),
+            }
             try:
                 described = ray.get(ref) if ref in ready else None
             except ray.exceptions.RayError as e:
@@ -129,7 +136,7 @@ class DatastoreRegistry:
                 )
                 previous = self._pids.setdefault(entry["actor"], described["pid"])
                 if previous != described["pid"]:
-                    metrics.SHARD_RESTARTS.labels(info.name, shard).inc()
+                    metrics.SHARD_RESTARTS.labels(info.name, shard, str(replica)).inc()
                     self._pids[entry["actor"]] = described["pid"]
             shards.append(entry)
         return {"healthy": all(s["status"] == "ok" for s in shards), "shards": shards}
@@ -158,12 +165,15 @@ class DatastoreRegistry:
             if self.runtime.knn.backend == "ray":
                 import ray
 
-                actors = self._actors[info.key]
+                names = [
+                    actor_name(info, shard, r) for shard, replicas in zip(info.shards, self._actors[info.key]) for r in range(len(replicas))
+                ]
+                actors = [actor for replicas in self._actors[info.key] for actor in replicas]
                 timeout = self.runtime.knn.shard_timeout_s
                 answers = ray.get([a.search.remote(query, 1, None) for a in actors], timeout=timeout)
                 ok = all(a[1].shape == (1, 1) for a in answers)
-                for shard, described in zip(info.shards, ray.get([a.describe.remote() for a in actors], timeout=timeout)):
-                    self._pids[actor_name(info, shard)] = described["pid"]  # to notice restarts
+                for name, described in zip(names, ray.get([a.describe.remote() for a in actors], timeout=timeout)):
+                    self._pids[name] = described["pid"]  # to notice restarts
             else:
                 ok = all(s.search(query, 1)[1].shape == (1, 1) for s in open_shards(Path(info.path), read_manifest(info.path)))
         except Exception as e:  # noqa: BLE001 - any failure of the probe rejects the load
@@ -215,8 +225,9 @@ class DatastoreRegistry:
     def _kill(self, key: tuple[str, int]) -> None:
         import ray
 
-        for actor in self._actors.pop(key, []):
-            ray.kill(actor, no_restart=True)
+        for replicas in self._actors.pop(key, []):
+            for actor in replicas:
+                ray.kill(actor, no_restart=True)
 
     @staticmethod
     def _describe(info: DatastoreInfo, status: str) -> dict:
