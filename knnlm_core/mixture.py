@@ -58,5 +58,5 @@ def knn_log_prob(distances: np.ndarray, match: np.ndarray, k: int, temperature: 
 def mixture_log_prob(log_p_lm: np.ndarray, log_p_knn: np.ndarray, lambda_, has_neighbour: np.ndarray) -> np.ndarray:
     """log(λ·p_kNN + (1−λ)·p_LM), λ scalar or per token; rows without neighbours keep p_LM (as the server)."""
     lam = np.where(has_neighbour, lambda_, 0.0)
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # log 0 = -inf, and logaddexp(-inf, -inf) = -inf
         return np.logaddexp(np.log(lam) + log_p_knn, np.log1p(-lam) + log_p_lm)

@@ -30,7 +30,7 @@ import numpy as np
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from knnlm_core.datastore import read_manifest
+from knnlm_core.datastore import MANIFEST, read_manifest
 from knnlm_core.errors import KnnlmError
 from knnlm_core.provenance import Provenance
 from knnlm_serve.engine.request_params import MAX_EXPLAIN_TOP, KnnParamError, parse_knn_params
@@ -57,9 +57,14 @@ class ExplainRequest(BaseModel):
 router = APIRouter(prefix="/v1/knn", tags=["kNN provenance"])
 
 
-@lru_cache(maxsize=8)
 def provenance_of(path: str) -> Provenance:
-    """A datastore version's provenance, by its directory (versions are immutable once built)."""
+    """A datastore version's provenance, by its directory, read again if it was rebuilt in place."""
+    manifest = Path(path) / MANIFEST
+    return _provenance(path, manifest.stat().st_mtime_ns if manifest.exists() else 0)
+
+
+@lru_cache(maxsize=8)
+def _provenance(path: str, manifest_mtime_ns: int) -> Provenance:
     return Provenance.open(Path(path), read_manifest(path))
 
 
