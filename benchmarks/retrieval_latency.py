@@ -110,7 +110,15 @@ KEYS_STREAM, QUERY_STREAM = 1, 2  # queries are held out: another random stream,
 # ----------------------------------------------------------------------------------------- build
 
 
-def build_params(entries: int, train_sample: int, seed: int, factory: str | None, build_threads: int, model: dict | None = None) -> dict:
+def build_params(
+    entries: int,
+    train_sample: int,
+    seed: int,
+    factory: str | None,
+    build_threads: int,
+    model: dict | None = None,
+    shard_counts: tuple[int, ...] = SHARD_COUNTS,
+) -> dict:
     return {
         "model": model or {"name": "synthetic", "fingerprint": "synthetic"},
         "generator": GENERATOR,
@@ -122,7 +130,7 @@ def build_params(entries: int, train_sample: int, seed: int, factory: str | None
         "seed": seed,
         "chunk": CHUNK,
         "factory": factory or index_factory_string("ivfpq", entries, DIM),
-        "shard_counts": list(SHARD_COUNTS),
+        "shard_counts": list(shard_counts),
         "build_threads": build_threads,
     }
 
@@ -136,16 +144,17 @@ def ensure_datastores(
     factory: str | None = None,
     build_threads: int = 1,
     model: dict | None = None,
+    shard_counts: tuple[int, ...] = SHARD_COUNTS,
 ) -> dict:
-    """Build (or reuse) `<workdir>/synthetic-<entries>/shards-{1,2,4}`; return the build record."""
-    params = build_params(entries, train_sample, seed, factory, build_threads, model)
+    """Build (or reuse) `<workdir>/synthetic-<entries>/shards-<n>` for each n of `shard_counts`; return the build record."""
+    params = build_params(entries, train_sample, seed, factory, build_threads, model, shard_counts)
     final = workdir / f"synthetic-{entries}"
     record_file = final / "build.json"
     if final.exists() and not rebuild:
         try:
             record = json.loads(record_file.read_text())
             if record["params"] == params:
-                for n in SHARD_COUNTS:
+                for n in params["shard_counts"]:
                     read_manifest(final / f"shards-{n}")
                 log(f"build: reusing {final} (built {record['created']}, {record['seconds']['total']:.0f} s)")
                 record["reused"] = True
@@ -170,7 +179,7 @@ def _build(final: Path, params: dict) -> dict:
     entries, factory = params["entries"], params["factory"]
     gen = ClusteredVectors(params["seed"])
     seconds: dict[str, float] = {}
-    log(f"build: {entries:,} synthetic keys, dim {DIM}, {factory}; {', '.join(map(str, SHARD_COUNTS))} shards under {final}")
+    log(f"build: {entries:,} synthetic keys, dim {DIM}, {factory}; {', '.join(map(str, params['shard_counts']))} shards under {final}")
     t0 = time.monotonic()
     keys = np.lib.format.open_memmap(final / "keys.npy", mode="w+", dtype=np.float16, shape=(entries, DIM))
     for c, lo in enumerate(range(0, entries, CHUNK)):
@@ -181,7 +190,7 @@ def _build(final: Path, params: dict) -> dict:
     seconds["generate"] = time.monotonic() - t0
     model = ModelIdentity(**params["model"], hidden_size=DIM, vocab_size=VOCAB, dtype="float32")
     source = f"synthetic:{GENERATOR}:seed={params['seed']}"
-    for n in SHARD_COUNTS:
+    for n in params["shard_counts"]:
         t0 = time.monotonic()
         config = BuildConfig(index=factory, shards=n, train_sample=params["train_sample"], seed=params["seed"])
         build_from_keys(keys, values, final / f"shards-{n}", model, config, source=source, progress=True)

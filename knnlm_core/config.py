@@ -116,6 +116,9 @@ class KnnConfig(_Strict):
     gpu: bool | None = Field(None, description="FAISS on GPU; default: when faiss-gpu sees a device")
     gpu_fraction: float = Field(0.1, gt=0, le=1, description="share of a GPU each Ray shard actor reserves")
     shard_threads: int | None = Field(None, gt=0, description="FAISS threads per shard actor; default: the node's cores")
+    mmap: bool = Field(
+        True, description="shard indexes are memory-mapped read-only, not read: fast loads, pages shared by actors on one node"
+    )
     compiled_graphs: bool = Field(
         False,
         description="reach shard actors through Ray Compiled Graphs: ~0.5 ms round trips instead of 3-5, but every graph's "

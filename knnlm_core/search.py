@@ -32,12 +32,17 @@ def gpu_available() -> bool:
 
 
 class ShardSearcher:
-    """A FAISS shard with its values; on GPU when faiss-gpu sees a device, else on CPU."""
+    """A FAISS shard with its values; on GPU when faiss-gpu sees a device, else on CPU.
 
-    def __init__(self, root: Path, shard: ShardEntry, first_id: int, use_gpu: bool | None = None):
+    `mmap`: the index file is mapped read-only (FAISS `IO_FLAG_MMAP_IFC`) instead of read: loading
+    copies no codes, pages come in as searches touch them, and actors on one node holding the same
+    shard (replicas, versions) share them. IVF lists and flat codes map; what FAISS computes at
+    load, like IVF-PQ's precomputed distance table (nlist x 64 KiB), stays private memory."""
+
+    def __init__(self, root: Path, shard: ShardEntry, first_id: int, use_gpu: bool | None = None, mmap: bool = False):
         self.name = shard.name
         self.first_id = first_id
-        index = faiss.read_index(str(root / shard.index.path))
+        index = faiss.read_index(str(root / shard.index.path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0)
         self.values = np.ascontiguousarray(load_values(root / shard.values.path), dtype=np.int32)
         if len(self.values) != index.ntotal:
             raise DatastoreError(f"shard {shard.name}: {index.ntotal} keys but {len(self.values)} values; rebuild the datastore")

@@ -53,21 +53,21 @@ def _timed(method, *args):
     return (*method(*args), time.perf_counter() - start)
 
 
-def _shard_searchers(info: DatastoreInfo, use_gpu: bool | None) -> list[ShardSearcher]:
+def _shard_searchers(info: DatastoreInfo, use_gpu: bool | None, mmap: bool) -> list[ShardSearcher]:
     manifest = read_manifest(info.path)
-    return [ShardSearcher(Path(info.path), s, first, use_gpu=use_gpu) for s, first in zip(manifest.shards, shard_first_ids(manifest))]
+    return [ShardSearcher(Path(info.path), s, first, use_gpu, mmap) for s, first in zip(manifest.shards, shard_first_ids(manifest))]
 
 
 class LocalRetriever:
     """Shards searched in this process: for tests, tiny stores and single-process deployments."""
 
     def __init__(self, knn: KnnConfig):
-        self.gpu = knn.gpu
+        self.gpu, self.mmap = knn.gpu, knn.mmap
         self._shards: dict[tuple[str, int], list[ShardSearcher]] = {}
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
         if info.key not in self._shards:
-            self._shards[info.key] = _shard_searchers(info, self.gpu)
+            self._shards[info.key] = _shard_searchers(info, self.gpu, self.mmap)
         answers = {s.name: _timed(s.find, queries, k, nprobe, pointers) for s in self._shards[info.key]}
         distances, tokens, ids = merge_topk([a[:3] for a in answers.values()], k)
         return SearchResult(distances, tokens, ids, {name: a[3] for name, a in answers.items()})
@@ -80,7 +80,7 @@ class LocalRetriever:
 class ShardActor:
     """A Ray actor holding one FAISS shard (GPU FAISS when the actor has a GPU)."""
 
-    def __init__(self, root: str, shard_name: str, use_gpu: bool | None, threads: int | None):
+    def __init__(self, root: str, shard_name: str, use_gpu: bool | None, threads: int | None, mmap: bool):
         import faiss
 
         # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the search should use the node's cores.
@@ -90,7 +90,7 @@ class ShardActor:
         torch.set_num_threads(threads or os.cpu_count())  # exact (flat) shards search with torch
         manifest = read_manifest(root)
         ((shard, first),) = [(s, f) for s, f in zip(manifest.shards, shard_first_ids(manifest)) if s.name == shard_name]
-        self.searcher = ShardSearcher(Path(root), shard, first, use_gpu=use_gpu)
+        self.searcher = ShardSearcher(Path(root), shard, first, use_gpu, mmap)
 
     def describe(self) -> dict:
         import ray
@@ -137,7 +137,7 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
                 resources=dict(knn.shard_resources) or None,
                 scheduling_strategy="SPREAD" if knn.replicas > 1 else "DEFAULT",
             )
-            .remote(info.path, shard, use_gpu, knn.shard_threads)
+            .remote(info.path, shard, use_gpu, knn.shard_threads, knn.mmap)
             for replica in range(knn.replicas)
         ]
         for shard in info.shards

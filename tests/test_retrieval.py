@@ -44,7 +44,9 @@ def stores(tmp_path_factory, ray_session):
 
 
 def knn(**overrides) -> KnnConfig:
-    return KnnConfig(backend="ray", ray_namespace=NAMESPACE, gpu=False, shard_threads=1, shard_timeout_s=TIMEOUT_S, **overrides)
+    return KnnConfig(
+        **{"backend": "ray", "ray_namespace": NAMESPACE, "gpu": False, "shard_threads": 1, "shard_timeout_s": TIMEOUT_S, **overrides}
+    )
 
 
 def queries(n: int = 8, seed: int = 1) -> np.ndarray:
@@ -150,7 +152,8 @@ def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, grap
     info, _ = stores["two"]
     replicated = DatastoreInfo.of(f"replicated-{graphs}", info.path, read_manifest(info.path))
     actors = start_shard_actors(replicated, knn(replicas=2))
-    retriever = RayRetriever(knn(replicas=2, compiled_graphs=graphs), None)
+    timeout = 4.0  # each of the two replicas gets up to half: room for a loaded machine
+    retriever = RayRetriever(knn(replicas=2, compiled_graphs=graphs, shard_timeout_s=timeout), None)
     expected = LocalRetriever(knn()).search(replicated, queries(), K, None)
     if graphs:
         compiled(retriever, replicated)
@@ -165,7 +168,7 @@ def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, grap
             assert result.failed_shards == {}, f"step {step} fell back"
             assert_same(result, expected)
         # The first step that asks the stopped replica waits its half of the deadline, once.
-        assert max(took) < TIMEOUT_S / 2 + 0.5 and sorted(took)[-2] < 0.3, took
+        assert max(took) < timeout / 2 + 0.5 and sorted(took)[-2] < 1.0, took
         ray_session.kill(actors[1][1], no_restart=False)
         for _ in range(4):
             assert_same(result := retriever.search(replicated, queries(), K, None), expected)

@@ -92,3 +92,21 @@ def test_flat_shards_answer_as_faiss_through_shard_searcher_and_search_many(tmp_
     expected_d, expected_ids = flat_index(keys).search(queries, 1024)
     assert_same_neighbours((expected_d, expected_ids), (merged_d, merged_ids), np.asarray(values))
     np.testing.assert_array_equal(merged_tokens, np.asarray(values)[merged_ids])
+
+
+@pytest.mark.parametrize("index", ["flat", "IVF16,PQ8"])
+def test_memory_mapped_shards_answer_as_read_ones(tmp_path, index):
+    from knnlm_core.search import ShardSearcher, shard_first_ids
+
+    rng = np.random.default_rng(3)
+    keys, values = rng.normal(size=(4000, 32)).astype(np.float32), rng.integers(0, 1000, 4000)
+    model = ModelIdentity(name="m", fingerprint="f", hidden_size=32, vocab_size=1000, dtype="float32")
+    build_from_keys(keys, values, tmp_path / "ds", model, BuildConfig(index=index, shards=2), source="test", progress=False)
+    manifest = read_manifest(tmp_path / "ds")
+    queries, pointers = keys[:8] + 0.01, np.tile(np.arange(2000, 2010), (8, 1))
+    for shard, first in zip(manifest.shards, shard_first_ids(manifest)):
+        read, mapped = (ShardSearcher(tmp_path / "ds", shard, first, use_gpu=False, mmap=m) for m in (False, True))
+        for a, b in zip(read.search(queries, 50, 4), mapped.search(queries, 50, 4)):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(read.lookup(queries, pointers), mapped.lookup(queries, pointers)):  # pointer following reconstructs
+            np.testing.assert_array_equal(a, b)
