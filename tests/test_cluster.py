@@ -150,7 +150,10 @@ def test_the_shard_node_dies_and_comes_back_without_a_restart(server, cluster, i
 
 def test_with_a_replica_on_each_node_losing_one_costs_no_fallback(tiny_model_dir, cluster, root, ids):
     ray_cluster, head = cluster["cluster"], cluster["cluster"].head_node
-    with serve(tiny_model_dir, cluster, root, ray_namespace="knnlm-replicas-test", replicas=2, shard_resources={ANY_NODE: 0.01}) as server:
+    # Each replica a step asks gets half of what is left of the deadline: 2 s, room for a loaded machine
+    # while Ray has not yet noticed the node is gone (calls to its actors hang until then).
+    settings = {"replicas": 2, "shard_resources": {ANY_NODE: 0.01}, "shard_timeout_s": 4.0}
+    with serve(tiny_model_dir, cluster, root, ray_namespace="knnlm-replicas-test", **settings) as server:
         placed = {(s["shard"], s["node"]) for s in admin(server, "GET", "/health").json()["shards"]}
         assert placed == {(shard, node) for shard in ("shard-000", "shard-001") for node in (head.node_id, cluster["shard_node"].node_id)}
         assert complete(server, ids) == ids["a"]
