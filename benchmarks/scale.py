@@ -10,7 +10,7 @@ built by the index builder itself and cached under `--workdir`. Measured, into o
     and on a second node of a Ray test cluster (two raylets on this machine: same cores, so this
     shows the transport and placement, not more compute).
 
-    .venv/bin/python benchmarks/scale.py --entries 10000000 --shards 4   # ~25 min to build on 2 cores
+    .venv/bin/python benchmarks/scale.py --entries 10000000 --shards 4   # IVF16384_HNSW32,PQ64
     .venv/bin/python benchmarks/scale.py --entries 2000000 --shards 4
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from retrieval_latency import QUERY_STREAM, ROOT, ClusteredVectors, ensure_datastores, log, machine_info, stats_ms, timed  # noqa: E402
 
-from knnlm_core.config import KnnConfig  # noqa: E402
+from knnlm_core.config import BuildConfig, KnnConfig  # noqa: E402
 from knnlm_core.datastore import read_manifest  # noqa: E402
 from knnlm_core.files import write_json_atomic  # noqa: E402
 from knnlm_serve.runtime import DatastoreInfo  # noqa: E402
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--entries", type=int, default=10_000_000)
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--repeats", type=int, default=20, help="timed steps per layout")
-    p.add_argument("--train-sample", type=int, default=65_536)
+    p.add_argument("--train-sample", type=int, default=BuildConfig().train_sample, help="keys to train on (the builder's default)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/knnlm-bench"))
     p.add_argument("--output", type=Path, default=RESULTS)
     args = p.parse_args(argv)

@@ -22,6 +22,12 @@ PRESETS = ("auto", "flat", "ivfpq", "hnsw")
 # 5.0x at 100k (FAISS's own flat search: 87 ms at 30k).
 AUTO_FLAT_BELOW = 30_000
 DEFAULT_NPROBE = 32
+# From this many IVF lists the coarse quantizer is an HNSW graph over the centroids (FAISS's
+# guideline from ~1M entries): assigning 10M keys to 16384 centroids exhaustively is ~2e14 flops
+# (an hour on 2 cores), through the graph a few minutes. `efSearch` is saved with the index and
+# keeps the nprobe lists found the same as exhaustive assignment's for nprobe up to ~efSearch.
+HNSW_QUANTIZER_FROM_NLIST = 16_384
+HNSW_QUANTIZER_EF_SEARCH = 128
 
 
 def index_factory_string(preset: str, entries: int, dim: int, pca_dim: int | None = None) -> str:
@@ -43,7 +49,8 @@ def index_factory_string(preset: str, entries: int, dim: int, pca_dim: int | Non
         # 64-byte codes as in the paper; fewer sub-quantizers when the dimension does not divide.
         # "np": skip polysemous training, which search never uses and which dominates train time.
         m = max(x for x in range(1, 65) if d % x == 0)
-        return f"{prefix}IVF{nlist},PQ{m}np"
+        quantizer = "_HNSW32" if nlist >= HNSW_QUANTIZER_FROM_NLIST else ""
+        return f"{prefix}IVF{nlist}{quantizer},PQ{m}np"
     return preset  # a FAISS factory string given verbatim
 
 
@@ -59,6 +66,9 @@ def train_index(factory: str, sample: np.ndarray, seed: int = 0) -> faiss.Index:
     ivf = ivf_of(index)
     if ivf is not None:
         ivf.cp.seed = seed
+        quantizer = faiss.downcast_index(ivf.quantizer)
+        if isinstance(quantizer, faiss.IndexHNSW):
+            quantizer.hnsw.efSearch = HNSW_QUANTIZER_EF_SEARCH
         if gpu_available():
             ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
     index.train(np.ascontiguousarray(sample, dtype=np.float32))

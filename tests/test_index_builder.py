@@ -131,6 +131,27 @@ def test_ivfpq_build_trains_once_and_searches(corpus, tiny_model_dir, tmp_path):
     assert verify_datastore(tmp_path / "ds", samples=200)["value_at_1"] > 0.8
 
 
+def test_large_ivfpq_stores_get_an_hnsw_coarse_quantizer_that_serves(corpus, tiny_model_dir, tmp_path):
+    import faiss
+
+    from index_builder.faiss_index import index_factory_string
+    from knnlm_core.search import ShardSearcher, ivf_of, shard_first_ids
+
+    assert index_factory_string("ivfpq", 2_000_000, 576) == "IVF4096,PQ64np"
+    assert index_factory_string("ivfpq", 10_000_000, 576) == "IVF16384_HNSW32,PQ64np"
+    # The same structure at a size a test can build: the graph's settings survive the files, and
+    # a memory-mapped shard answers as a read one.
+    config = SMALL.model_copy(update={"index": "IVF16_HNSW32,PQ8np", "shards": 2})
+    manifest = build_datastore([corpus], tmp_path / "ds", tiny_model_dir, config, progress=False)
+    assert verify_datastore(tmp_path / "ds", samples=200)["value_at_1"] > 0.8
+    shard, first = manifest.shards[0], shard_first_ids(manifest)[0]
+    read, mapped = (ShardSearcher(tmp_path / "ds", shard, first, use_gpu=False, mmap=m) for m in (False, True))
+    assert faiss.downcast_index(ivf_of(mapped.index).quantizer).hnsw.efSearch == 128
+    queries = np.random.default_rng(0).normal(size=(8, manifest.dim)).astype(np.float32)
+    for a, b in zip(read.search(queries, 16, 4), mapped.search(queries, 16, 4)):
+        np.testing.assert_array_equal(a, b)
+
+
 def knnlm_index(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "index_builder.cli", *args], capture_output=True, text=True, timeout=timeout)
 
