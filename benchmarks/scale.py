@@ -10,7 +10,7 @@ built by the index builder itself and cached under `--workdir`. Measured, into o
     and on a second node of a Ray test cluster (two raylets on this machine: same cores, so this
     shows the transport and placement, not more compute).
 
-    .venv/bin/python benchmarks/scale.py --entries 10000000 --shards 4   # IVF16384_HNSW32,PQ64
+    .venv/bin/python benchmarks/scale.py --entries 10000000 --shards 4 --factory IVF16384_HNSW32,PQ64np
     .venv/bin/python benchmarks/scale.py --entries 2000000 --shards 4
 """
 
@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--repeats", type=int, default=20, help="timed steps per layout")
     p.add_argument("--train-sample", type=int, default=BuildConfig().train_sample, help="keys to train on (the builder's default)")
+    p.add_argument("--factory", help="FAISS factory string (default: the builder's ivfpq preset for --entries)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/knnlm-bench"))
     p.add_argument("--output", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -105,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    record = ensure_datastores(args.workdir, args.entries, args.train_sample, 0, False, build_threads=2, shard_counts=(args.shards,))
+    record = ensure_datastores(
+        args.workdir, args.entries, args.train_sample, 0, False, args.factory, build_threads=2, shard_counts=(args.shards,)
+    )
     root = args.workdir / f"synthetic-{args.entries}" / f"shards-{args.shards}"
     manifest = read_manifest(root)
     info = DatastoreInfo.of("scale", root, manifest)
