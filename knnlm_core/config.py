@@ -122,7 +122,13 @@ class KnnConfig(_Strict):
     compiled_graphs: bool = Field(
         False,
         description="reach shard actors through Ray Compiled Graphs: ~0.5 ms round trips instead of 3-5, but every graph's "
-        "reader polls a core, idle or not; for hosts with a core to spare per shard actor",
+        "reader polls a core while it exists; for hosts with a core to spare per shard actor",
+    )
+    graph_idle_s: float = Field(
+        10.0,
+        gt=0,
+        description="compiled graphs: a version's graphs are torn down after this long without a search (their readers "
+        "stop polling) and rebuilt at the next one, which plain calls serve meanwhile",
     )
     replicas: int = Field(1, ge=1, description="actors per shard; a step asks one, another when it fails or is late (spread over nodes)")
     shard_resources: dict[str, float] = Field(

@@ -158,9 +158,10 @@ class RayRetriever:
     shards, so that each shard has its own deadline and a late or dead shard fails alone
     (`on_shard_failure: partial`).
 
-    A graph's reader busy-waits with `sched_yield` between steps, idle or not: on this 2-core
-    machine two idle graphs held their actors at ~50% CPU each and the engine's worker at 100%,
-    enough to stall a second engine's start for minutes; hence off by default.
+    A graph's reader busy-waits with `sched_yield` between steps: on this 2-core machine two idle
+    graphs held their actors at ~50% CPU each and the engine's worker at 100%, enough to stall a
+    second engine's start for minutes. So a version's graphs are parked (torn down) once no search
+    has used them for `knn.graph_idle_s`, and rebuilt at its next search.
 
     Graphs are built in a background thread (compile, then a first execution that starts the
     actor's loop: seconds here), per datastore version; until an actor's graph is ready, and after
@@ -184,6 +185,9 @@ class RayRetriever:
         self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
         self._graphs: dict[tuple[str, int], dict[tuple[int, int], object]] = {}  # (shard, replica) -> graph or None
         self._suspect: dict[tuple[str, int, int, int], float] = {}  # (version, shard, replica) -> until when
+        self._used: dict[tuple[str, int], float] = {}  # version -> its last search, or its last graph's arrival
+        self._parker: threading.Thread | None = None
+        self._parking: dict[tuple, threading.Thread] = {}  # (version, slot) -> its parked graph's teardown
         self._turn = 0
         self._lock = threading.Lock()
 
@@ -197,16 +201,13 @@ class RayRetriever:
             ]
             slots = [(index, r) for index, replicas in enumerate(actors) for r in range(len(replicas))]
             with self._lock:
-                self._actors[info.key], self._graphs[info.key] = actors, dict.fromkeys(slots)
-            if self.compiled:
-                for slot in slots:
-                    self._start_build(info.key, slot, None)
+                self._actors[info.key], self._graphs[info.key] = actors, dict.fromkeys(slots, PARKED if self.compiled else None)
         return self._actors[info.key]
 
     def compiled_shards(self, info: DatastoreInfo) -> list[str]:
         """The shards of this version whose every replica is searched through its compiled graph."""
         graphs = self._graphs.get(info.key, {})
-        ready = [[g is not None for (i, _), g in graphs.items() if i == index] for index in range(len(info.shards))]
+        ready = [[_is_graph(g) for (i, _), g in graphs.items() if i == index] for index in range(len(info.shards))]
         return [shard for shard, replicas in zip(info.shards, ready) if replicas and all(replicas)]
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
@@ -215,6 +216,8 @@ class RayRetriever:
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         args = (queries, k, nprobe, pointers)
         actors = self._handles(info)
+        if self.compiled:
+            self._unpark(info.key)
         deadline = time.monotonic() + self.knn.shard_timeout_s
         self._turn += 1
         orders = [self._order(info.key, index, len(replicas)) for index, replicas in enumerate(actors)]
@@ -250,7 +253,7 @@ class RayRetriever:
         import ray
 
         graph = self._graphs[key].get((index, replica))
-        if graph is not None:
+        if _is_graph(graph):
             try:
                 return graph, graph.execute(*args)
             except ray.exceptions.RayError:  # the graph was closed (its actor died): rebuild it, call plainly
@@ -276,12 +279,53 @@ class RayRetriever:
     def release(self, keep: set[tuple[str, int]]) -> None:
         with self._lock:
             gone = set(self._actors) - keep
-            dropped = [graph for key in gone for graph in self._graphs.pop(key).values() if graph is not None]
+            dropped = [graph for key in gone for graph in self._graphs.pop(key).values() if _is_graph(graph)]
             for key in gone:
                 del self._actors[key]
+                self._used.pop(key, None)
             self._suspect = {s: until for s, until in self._suspect.items() if s[:2] in keep}
         if dropped:
             threading.Thread(target=_teardown, args=(dropped,), name="knnlm-graph-teardown", daemon=True).start()
+
+    def _unpark(self, key: tuple[str, int]) -> None:
+        """A search of this version: its parked graphs are built again (plain calls serve until then)."""
+        with self._lock:
+            self._used[key] = time.monotonic()
+            graphs = self._graphs[key]
+            parked = [slot for slot, graph in graphs.items() if graph is PARKED]
+            for slot in parked:
+                graphs[slot] = None
+            if parked and (self._parker is None or not self._parker.is_alive()):
+                self._parker = threading.Thread(target=self._park_idle, name="knnlm-graph-parker", daemon=True)
+                self._parker.start()
+        for slot in parked:
+            self._start_build(key, slot, None)
+
+    def _park_idle(self) -> None:
+        """In a background thread while any version has graphs: tear down the graphs of versions
+        that no search used for `graph_idle_s`. A search notes its use under the same lock before
+        it reads a graph, so a graph is never parked under a step that is using it."""
+        done = False
+        while not done:
+            time.sleep(min(1.0, self.knn.graph_idle_s / 4))
+            now, idle = time.monotonic(), 0
+            with self._lock:
+                for key, graphs in self._graphs.items():
+                    if now - self._used.get(key, now) > self.knn.graph_idle_s:
+                        for slot, graph in graphs.items():
+                            if _is_graph(graph):
+                                # Teardown waits for the actor (forever for a stopped one): not in this
+                                # thread; the slot's next build waits for it (one graph per actor).
+                                graphs[slot], idle = PARKED, idle + 1
+                                self._parking[(key, slot)] = teardown = threading.Thread(
+                                    target=_teardown, args=([graph],), name="knnlm-graph-teardown", daemon=True
+                                )
+                                teardown.start()
+                done = all(graph is PARKED for graphs in self._graphs.values() for graph in graphs.values())
+                if done:
+                    self._parker = None
+            if idle:
+                logger.info("parked %d compiled graph(s), idle for %.0f s", idle, self.knn.graph_idle_s)
 
     def _drop(self, key: tuple[str, int], slot: tuple[int, int], graph) -> None:
         """An actor's graph failed: the actor goes back to plain calls until a new graph is built."""
@@ -303,6 +347,10 @@ class RayRetriever:
 
         if failed is not None:
             _teardown([failed])
+        with self._lock:
+            parking = self._parking.pop((key, slot), None)
+        if parking is not None:
+            parking.join()
         while True:
             with self._lock:
                 if key not in self._actors:
@@ -323,13 +371,15 @@ class RayRetriever:
                 time.sleep(GRAPH_RETRY_S)
                 continue
             with self._lock:
-                if key in self._graphs:
+                if key in self._graphs and self._graphs[key][slot] is None:
                     self._graphs[key][slot] = graph
+                    self._used[key] = max(self._used.get(key, 0.0), time.monotonic())  # idle counts from here
                     return
             _teardown([graph])  # released while it was being built
             return
 
 
+PARKED = "parked"  # a slot whose graph was torn down for idleness (None: plain calls while one is built)
 SUSPECT_S = 30.0  # a replica that failed is asked last for this long
 GRAPH_START_TIMEOUT_S = 60.0  # a new graph's first execution starts the actor's loop: 1.5-4 s measured here
 GRAPH_RETRY_S = 5.0  # between attempts to build a shard's graph
@@ -348,6 +398,10 @@ def compile_shard_graph(actor, dim: int):
         _teardown([graph])
         raise
     return graph
+
+
+def _is_graph(slot) -> bool:
+    return slot is not None and slot is not PARKED
 
 
 def _teardown(graphs: list) -> None:

@@ -145,6 +145,45 @@ def test_release_tears_the_graphs_down_without_waiting(stores, retriever):
     compiled(retriever, info)
 
 
+def test_idle_graphs_are_parked_so_their_actors_stop_polling_and_come_back_at_the_next_search(stores, ray_session):
+    import psutil
+
+    stored, _ = stores["two"]
+    info = DatastoreInfo.of("idle", stored.path, read_manifest(stored.path))  # its own actors: no other test's graphs
+    actors = start_shard_actors(info, knn())
+    idle_s = 3.0
+    # A plain call waits behind a graph's set-up on the actor (0.1-0.9 s here): a deadline that
+    # leaves room for it, since the graphs come back while the version serves.
+    retriever = RayRetriever(knn(compiled_graphs=True, graph_idle_s=idle_s, shard_timeout_s=5.0), None)
+    expected = LocalRetriever(knn()).search(info, queries(), K, None)
+    pids = [ray_session.get(replicas[0].describe.remote())["pid"] for replicas in actors]
+
+    def in_use_until_compiled() -> None:  # a search keeps the version in use and unparks its graphs
+        until(lambda: retriever.search(info, queries(1), 1, None) and retriever.compiled_shards(info) == info.shards)
+
+    try:
+        in_use_until_compiled()
+        for _ in range(int(2 * idle_s / 0.1)):  # in use for twice the idle time: never parked
+            assert_same(retriever.search(info, queries(), K, None), expected)
+            assert retriever.compiled_shards(info) == info.shards
+            time.sleep(0.1)
+        until(lambda: retriever.compiled_shards(info) == [], timeout=idle_s + 10)
+        time.sleep(1.0)  # the teardown reaches the actors
+        before = [sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids]
+        time.sleep(2.0)
+        busy = [sum(psutil.Process(pid).cpu_times()[:2]) - b for pid, b in zip(pids, before)]
+        assert max(busy) < 0.2, f"parked shard actors still used {busy} s of CPU in 2 s"
+        result = retriever.search(info, queries(), K, None)  # plain calls answer while the graphs come back
+        assert result.failed_shards == {}
+        assert_same(result, expected)
+        in_use_until_compiled()
+        assert_same(retriever.search(info, queries(), K, None), expected)
+    finally:
+        retriever.release(set())
+        for replicas in actors:
+            ray_session.kill(replicas[0])
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["compiled graphs", "plain calls"])
 def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, graphs):
     """Two replicas per shard: a SIGSTOPped replica costs at most its share of one step's deadline
