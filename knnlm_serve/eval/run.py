@@ -14,7 +14,7 @@ from knnlm_core.config import EvalConfig, KnnConfig
 from knnlm_core.datastore import load_document_starts
 from knnlm_core.mixture import adaptive_lambda, knn_log_prob, mixture_log_prob
 from knnlm_core.model_dir import model_fingerprint
-from knnlm_core.pointers import consecutive, shard_lookup
+from knnlm_core.pointers import consecutive, replay, shard_lookup
 from knnlm_core.search import open_shards
 from knnlm_serve.eval.score import Variant, encode_keys, find_neighbours, open_engine, plan_variants, score_with_vllm
 from knnlm_serve.eval.text import EvalError, load_eval_text
@@ -93,9 +93,8 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     sd, sm = neighbours[served]
     log_p_full = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
     t0 = time.monotonic()
-    pointers = _pointer_curve(
-        Path(checked[main][0].path), manifests[main], text, sd, served_ids, keys[served.key_type], sb, log_p_lm, log_p_full, tune
-    )
+    replayer = PointerReplay.of(Path(checked[main][0].path), manifests[main], text, keys[served.key_type], sd.shape[1])
+    pointers = replayer and _pointer_curve(replayer, sd, served_ids, sb, log_p_lm, log_p_full, tune)
     timings["pointers_s"] = time.monotonic() - t0
     skip = fit_skip(log_p_lm, log_p_full, top_log_p, tune, config.skip_tolerance)
     t0 = time.monotonic()
@@ -111,7 +110,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     timings["knn_pass_s"] = time.monotonic() - t0
     log_p_numpy = served_with_skips(log_p_lm, log_p_full, top_log_p, skip["threshold"])
     del llm
-    served_defaults = _served_defaults(checked[main][0], log_p_lm, top_log_p, sd, sm, tune, best)
+    served_defaults = _served_defaults(checked[main][0], log_p_lm, top_log_p, sd, sm, served_ids, replayer, tune, best)
     timings["total_s"] = time.monotonic() - started
 
     summary = {
@@ -161,36 +160,70 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     return EvalRun(_plain(summary), arrays)
 
 
-def _pointer_curve(root: Path, manifest, text, distances, ids, queries, setting: dict, log_p_lm, log_p_full, tune) -> dict | None:
+@dataclass(frozen=True)
+class PointerReplay:
+    """Pointer following replayed over the eval text as the server would follow it
+    (`pointers.replay`): the datastore's values and document starts, which positions continue the
+    one before, and exact scoring of candidate entries against each position's key."""
+
+    text: object
+    values: np.ndarray
+    starts: np.ndarray
+    continues: np.ndarray
+    lookup: object
+
+    @classmethod
+    def of(cls, root: Path, manifest, text, queries: np.ndarray, k: int) -> PointerReplay | None:
+        """None for a datastore without document boundaries (built before pointer following)."""
+        starts = load_document_starts(root, manifest)
+        if starts is None:
+            return None
+        searchers = open_shards(root, manifest)
+        values = np.concatenate([np.asarray(s.values) for s in searchers])
+        continues = consecutive(np.concatenate([np.arange(k0, k1) for _, k0, k1 in text.plan.windows]))
+        return cls(text, values, starts, continues, shard_lookup(searchers, queries, k))
+
+    def __call__(self, ids, distances, min_pointers: int, skipped=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return replay(ids, distances, self.text.targets, self.continues, self.values, self.lookup, self.starts, min_pointers, skipped)
+
+    def matches(self, ids: np.ndarray) -> np.ndarray:
+        return (ids >= 0) & (self.values[np.maximum(ids, 0)] == self.text.targets[:, None])
+
+
+def _pointer_curve(replayer: PointerReplay, distances, ids, setting: dict, log_p_lm, log_p_full, tune) -> dict:
     """Pointer following replayed over the text at the served setting, for each minimum number of
-    surviving pointers: the share of searches it saves and the perplexity, vs every step searched.
-    None for a datastore without document boundaries."""
-    starts = load_document_starts(root, manifest)
-    if starts is None:
-        return None
-    searchers = open_shards(root, manifest)
-    values = np.concatenate([np.asarray(s.values) for s in searchers])
-    continues = consecutive(np.concatenate([np.arange(k0, k1) for _, k0, k1 in text.plan.windows]))
-    lookup = shard_lookup(searchers, queries, distances.shape[1])
+    surviving pointers: the share of searches it saves and the perplexity, vs every step searched."""
 
     def served(d: np.ndarray, i: np.ndarray) -> np.ndarray:
-        match = (i >= 0) & (values[np.maximum(i, 0)] == text.targets[:, None])
-        log_p_knn = knn_log_prob(d, match, setting["k"], setting["temperature"])
+        log_p_knn = knn_log_prob(d, replayer.matches(i), setting["k"], setting["temperature"])
         return mixture_log_prob(log_p_lm, log_p_knn, setting["lambda"], np.isfinite(d[:, 0]))
 
-    curve = pointer_curve(ids, distances, text.targets, continues, values, lookup, starts, served, tune)
+    r = replayer
+    curve = pointer_curve(ids, distances, r.text.targets, r.continues, r.values, r.lookup, r.starts, served, tune)
     return {"full_ppl": perplexity(log_p_full[~tune]), "curve": curve}
 
 
-def _served_defaults(info: DatastoreInfo, log_p_lm, top_log_p, distances, match, tune, best: dict) -> dict:
+def _served_defaults(
+    info: DatastoreInfo, log_p_lm, top_log_p, distances, match, ids, replayer: PointerReplay | None, tune, best: dict
+) -> dict:
     """What a request that sets no knob gets from the first datastore as built (its calibration,
-    else the config defaults; searches skipped by its skip rule), scored from the same neighbours,
-    and its gap to the tuned best."""
+    else the config defaults; searches skipped by its skip rule, pointers followed by its pointer
+    rule), scored from the same neighbours, and its gap to the tuned best."""
     d = mix_defaults(KnnConfig(), info.name, info.calibration)
     k = min(d.k, distances.shape[1])
-    lam = d.lambda_ if d.lambda_ is not None else adaptive_lambda(distances[:, 0].astype(np.float64), **d.adaptive_lambda.model_dump())
-    every_search = mixture_log_prob(log_p_lm, knn_log_prob(distances, match, k, d.temperature), lam, np.isfinite(distances[:, 0]))
-    mix = served_with_skips(log_p_lm, every_search, top_log_p, d.skip_threshold)
+
+    def mixture(dist: np.ndarray, hit: np.ndarray) -> np.ndarray:
+        lam = d.lambda_ if d.lambda_ is not None else adaptive_lambda(dist[:, 0].astype(np.float64), **d.adaptive_lambda.model_dump())
+        return mixture_log_prob(log_p_lm, knn_log_prob(dist, hit, k, d.temperature), lam, np.isfinite(dist[:, 0]))
+
+    every_search = mixture(distances, match)
+    skipped = np.exp(top_log_p) > d.skip_threshold
+    followed = np.zeros(len(distances), dtype=bool)
+    served = every_search
+    if replayer is not None and d.min_pointers:
+        used_d, used_ids, followed = replayer(ids, distances, d.min_pointers, skipped)
+        served = mixture(used_d, replayer.matches(used_ids))
+    mix = served_with_skips(log_p_lm, served, top_log_p, d.skip_threshold)
     report = perplexity(mix[~tune])
     return {
         "lambda": "adaptive" if d.lambda_ is None else d.lambda_,
@@ -198,7 +231,9 @@ def _served_defaults(info: DatastoreInfo, log_p_lm, top_log_p, distances, match,
         "temperature": d.temperature,
         "adaptive_lambda": d.adaptive_lambda.model_dump() if d.adaptive_lambda else None,
         "skip_threshold": d.skip_threshold,
-        "skipped_report": float(np.mean(np.exp(top_log_p[~tune]) > d.skip_threshold)),
+        "skipped_report": float(np.mean(skipped[~tune])),
+        "min_pointers": d.min_pointers,
+        "followed_report": float(np.mean(followed[~tune])),
         "report_ppl_every_search": perplexity(every_search[~tune]),
         "source": d.source,
         "tune_ppl": perplexity(mix[tune]),
