@@ -284,6 +284,7 @@ class RayRetriever:
                 del self._actors[key]
                 self._used.pop(key, None)
             self._suspect = {s: until for s, until in self._suspect.items() if s[:2] in keep}
+            self._parking = {s: teardown for s, teardown in self._parking.items() if s[0] in keep}
         if dropped:
             threading.Thread(target=_teardown, args=(dropped,), name="knnlm-graph-teardown", daemon=True).start()
 
