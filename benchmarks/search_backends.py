@@ -71,7 +71,7 @@ def backends(keys: np.ndarray) -> dict:
     flat.add(keys)
     exact = flat_keys(flat, on_gpu=False)
     out["faiss flat"] = (lambda q, k: flat.search(q, k)[1], 0.0, "Flat")
-    out["torch flat"] = (lambda q, k: torch_search(*exact, q, k)[1], 0.0, "Flat")
+    out["torch flat"] = (lambda q, k: torch_search(exact, q, k)[1], 0.0, "Flat")
     sample = keys[np.random.default_rng(0).choice(len(keys), min(len(keys), TRAIN_MAX), replace=False)]
     ivfpq = index_factory_string("ivfpq", len(keys), DIM)
     for name, factory in (("IVF-Flat", ivfpq.split(",")[0] + ",Flat"), ("IVF-PQ", ivfpq)):

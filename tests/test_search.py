@@ -11,7 +11,7 @@ import pytest
 from index_builder.build import build_from_keys
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import ModelIdentity, read_manifest
-from knnlm_core.search import faiss_search, flat_keys, open_shards, search_index, search_many, torch_is_faster, torch_search
+from knnlm_core.search import FlatKeys, faiss_search, flat_keys, open_shards, search_index, search_many, torch_is_faster, torch_search
 
 
 def flat_index(keys: np.ndarray) -> faiss.IndexFlatL2:
@@ -35,7 +35,7 @@ def test_torch_search_equals_faiss_flat(batch, k):
     keys, values = rng.normal(size=(2000, 64)).astype(np.float32), rng.integers(0, 50, 2000)
     queries = np.concatenate([keys[:1] + 1e-4, rng.normal(size=(batch - 1, 64))]).astype(np.float32)  # one near-zero distance
     index = flat_index(keys)
-    distances, ids = torch_search(*flat_keys(index, on_gpu=False), queries, k)
+    distances, ids = torch_search(flat_keys(index, on_gpu=False), queries, k)
     assert_same_neighbours(index.search(queries, min(k, 2000)), (distances, ids), values)
     assert np.all(distances >= 0) and np.all(np.diff(distances, axis=1) >= 0)
 
@@ -50,7 +50,7 @@ def test_a_keep_mask_leaves_the_same_entries_out_as_faiss():
     keys, values = rng.normal(size=(500, 16)).astype(np.float32), rng.integers(0, 30, 500)
     queries, keep = rng.normal(size=(32, 16)).astype(np.float32), rng.random(500) < 0.3
     index = flat_index(keys)
-    distances, ids = torch_search(*flat_keys(index, on_gpu=False), queries, 700, keep)
+    distances, ids = torch_search(flat_keys(index, on_gpu=False), queries, 700, keep)
     kept = int(keep.sum())
     assert np.all(keep[ids[:, :kept]]) and np.all(ids[:, kept:] == -1) and np.all(np.isinf(distances[:, kept:]))
     expected_d, expected_ids = faiss_search(index, queries, 700, None, keep)
@@ -110,3 +110,23 @@ def test_memory_mapped_shards_answer_as_read_ones(tmp_path, index):
             np.testing.assert_array_equal(a, b)
         for a, b in zip(read.lookup(queries, pointers), mapped.lookup(queries, pointers)):  # pointer following reconstructs
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("batch, k", [(1, 1), (1, 32), (11, 32), (32, 256)])
+def test_bf16_preselection_finds_the_exact_neighbours(batch, k):
+    """Flat shards on a CPU with native bf16 pick candidates with bf16 dot products and re-score
+    them in fp32: the answer is exact search's (clustered keys, queries near stored ones)."""
+    rng = np.random.default_rng(3)
+    centres = rng.normal(size=(40, 64)).astype(np.float32) * 4
+    keys = (centres[rng.integers(0, 40, 6000)] + rng.normal(size=(6000, 64))).astype(np.float32)
+    values = rng.integers(0, 200, 6000)
+    queries = (keys[rng.integers(0, 6000, batch)] + 0.3 * rng.normal(size=(batch, 64))).astype(np.float32)
+    index = flat_index(keys)
+    exact = flat_keys(index, on_gpu=False)
+    with_bf16 = FlatKeys(exact.keys, exact.norms, exact.keys.bfloat16())
+    assert_same_neighbours(index.search(queries, k), torch_search(with_bf16, queries, k), values)
+    keep = rng.random(6000) < 0.5
+    expected = faiss_search(index, queries, k, None, keep)
+    distances, ids = torch_search(with_bf16, queries, k, keep)
+    assert np.all(keep[ids]) and np.all(np.diff(distances, axis=1) >= 0)
+    assert_same_neighbours(expected, (distances, ids), values)
