@@ -63,7 +63,7 @@ def calibrate_on(
     searchers = open_shards(root, manifest)
     shards = [(s.index, s.values, None, s.first_id) for s in searchers]
     distances, found, ids = search_many(shards, keys, max(SweepGrid().ks), manifest.index.nprobe)
-    grid = SweepGrid(skip_tolerance=config.skip_tolerance)
+    grid = SweepGrid(skip_tolerance=config.skip_tolerance, k_tolerance=config.k_tolerance)
     fit = fit_calibration(log_p_lm, top_log_p, distances, found == targets[:, None], grid)
     starts = load_document_starts(root, manifest)
     if starts is not None:

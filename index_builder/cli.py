@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     calibrate.add_argument(
         "--skip-tolerance", type=float, default=BuildConfig().skip_tolerance, help=BuildConfig.model_fields["skip_tolerance"].description
     )
+    calibrate.add_argument(
+        "--k-tolerance", type=float, default=BuildConfig().k_tolerance, help=BuildConfig.model_fields["k_tolerance"].description
+    )
     calibrate.add_argument("--quiet", action="store_true", help="no progress bars")
 
     inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
                     stride=args.stride or built.build.stride,
                     text_field=args.text_field,
                     skip_tolerance=args.skip_tolerance,
+                    k_tolerance=args.k_tolerance,
                     dtype=built.model.dtype,
                 )
             except ValidationError as e:

@@ -52,6 +52,34 @@ def sweep(log_p_lm: np.ndarray, distances: np.ndarray, match: np.ndarray, tune: 
     return {"best": best, "grid": grid}
 
 
+def cheapest_k(swept: dict, tolerance: float) -> dict:
+    """The smallest k whose best (τ, λ) on the fitting half is within `tolerance` (a share) of the
+    best setting's perplexity, that setting, and the per-k curve.
+
+    A search's cost grows with k where kNN-LM's k is large: the top-k selection, the answer sent
+    back from every shard, their merge and the mix all scale with it, and for exact and IVF-PQ
+    search alike the k = 1024 selection is a fixed part of each step (benchmarks/search_backends.py).
+    Perplexity is often flat in k over the top of the grid, so the cheapest k within a small
+    tolerance serves nearly the same mixture for less."""
+    grid = swept["grid"]
+    tune, report = np.asarray(grid["tune_ppl"]), np.asarray(grid["report_ppl"])
+    best_tune = float(np.nanmin(tune))
+    curve = []
+    for a, k in enumerate(grid["k"]):
+        b, c = np.unravel_index(np.nanargmin(tune[a]), tune[a].shape)
+        curve.append(
+            {
+                "k": k,
+                "temperature": grid["temperature"][b],
+                "lambda": grid["lambda"][c],
+                "tune_ppl": float(tune[a, b, c]),
+                "report_ppl": float(report[a, b, c]),
+            }
+        )
+    chosen = min((c for c in curve if c["tune_ppl"] <= best_tune * (1 + tolerance)), key=lambda c: c["k"])
+    return {**chosen, "curve": [{key: c[key] for key in ("k", "tune_ppl", "report_ppl")} for c in curve]}
+
+
 def fit_adaptive_lambda(log_p_lm, log_p_knn, d_nearest, tune, config: SweepGrid) -> dict:
     """Grid search of (λ_max, slope, center) on the tuning part (after Drozdov et al., 2022)."""
     has = np.isfinite(d_nearest)
@@ -249,7 +277,8 @@ def fit_calibration(
     log_p_lm: np.ndarray, top_log_p: np.ndarray, distances: np.ndarray, match: np.ndarray, grid: SweepGrid = SweepGrid()
 ) -> dict:
     """λ, τ, k and the adaptive-λ curve that fit held-out tokens best, which of the two to serve,
-    and the skip rule for that served mixture.
+    and the skip rule for that served mixture. k is the smallest within `grid.k_tolerance` of the
+    best (`cheapest_k`).
 
     Fitted on the first half of the tokens (text order), judged on the second: the adaptive curve is
     served only where it beats the fixed λ there. τ is searched on the grid and on multiples of the
@@ -261,7 +290,7 @@ def fit_calibration(
         update={"temperatures": temperatures, "ks": tuple(k for k in grid.ks if k <= distances.shape[1]) or (distances.shape[1],)}
     )
     tune = fitting_half(len(log_p_lm))
-    best = sweep(log_p_lm, distances, match, tune, grid)["best"]
+    best = cheapest_k(sweep(log_p_lm, distances, match, tune, grid), grid.k_tolerance)
     log_p_knn = knn_log_prob(distances, match, best["k"], best["temperature"])
     adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, grid)
     fit = {
@@ -278,5 +307,6 @@ def fit_calibration(
         "base_ppl": perplexity(log_p_lm[~tune]),
         "knn_ppl": best["report_ppl"],
         "adaptive_ppl": adaptive["report_ppl"],
+        "k_curve": {"tolerance": grid.k_tolerance, "ks": best["curve"]},
         "skip": {key: skip[key] for key in ("threshold", "skipped", "ppl", "full_ppl", "tolerance")},
     }

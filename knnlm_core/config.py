@@ -40,6 +40,9 @@ class BuildConfig(_Strict):
     skip_tolerance: float = Field(
         0.005, ge=0, description="calibration: share of perplexity the skip and pointer rules may cost on the fitting half"
     )
+    k_tolerance: float = Field(
+        0.0025, ge=0, description="calibration: share of perplexity a smaller (cheaper) k may cost against the best k on the fitting half"
+    )
     text_field: str = Field("text", description="field holding the text in .jsonl inputs")
     on_bad_utf8: Literal["skip", "error"] = Field("skip", description="files that are not UTF-8: skip with a warning, or fail")
     seed: int = 0
@@ -200,7 +203,8 @@ class SweepGrid(_Strict):
 
     lambdas: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(21))
     temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
-    ks: tuple[int, ...] = (16, 64, 256, 1024)
+    ks: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+    k_tolerance: float = Field(0.0025, ge=0, description="calibration: the smallest k within this share of the best k's perplexity")
     skip_tolerance: float = Field(
         0.005, ge=0, description="adaptive retrieval: skip searches while tuning perplexity stays within this share of full retrieval"
     )

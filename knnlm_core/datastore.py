@@ -98,6 +98,20 @@ class SkipRule(_Record):
     tolerance: float
 
 
+class KPoint(_Record):
+    k: int
+    tune_ppl: float  # best over (τ, λ) at this k on the fitting half,
+    report_ppl: float  # and that setting on the judged half
+
+
+class KCurve(_Record):
+    """Perplexity against k: the served k is the smallest within `tolerance` of the best on the
+    fitting half (a smaller k is a cheaper search, answer, merge and mix)."""
+
+    tolerance: float
+    ks: list[KPoint]
+
+
 class PointerRule(_Record):
     """Pointer following: a decode step follows the last step's neighbours when at least
     `min_pointers` successors survive (0: off). Fitted, after the skip rule, to cost at most
@@ -124,6 +138,7 @@ class Calibration(_Record):
     base_ppl: float  # on the judged half: the LM alone,
     knn_ppl: float  # kNN-LM at the fitted fixed λ,
     adaptive_ppl: float  # and with the adaptive curve
+    k_curve: KCurve | None = None  # None: calibrated before k was chosen for cost (the best k was served)
     skip: SkipRule | None = None  # None: calibrated before adaptive retrieval existed (never skips)
     pointers: PointerRule | None = None  # None: no document boundaries, or calibrated before pointers existed
     heldout: str  # what the held-out text was

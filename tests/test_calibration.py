@@ -17,7 +17,7 @@ from conftest import TINY_SERVER, prompt_logprobs
 
 from index_builder.build import build_datastore
 from index_builder.default_datastore import stdlib_documents
-from knnlm_core.calibration import fit_skip, perplexity, split_heldout
+from knnlm_core.calibration import cheapest_k, fit_skip, perplexity, split_heldout
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import MANIFEST, read_manifest, write_manifest
 from knnlm_core.errors import CorpusError
@@ -66,8 +66,31 @@ def test_the_build_holds_a_slice_out_and_stores_its_fit(datastores, corpus, tiny
     pointers = cal.pointers  # and the pointer rule, after the skip rule
     assert pointers is not None and pointers.full_ppl == pytest.approx(skip.ppl, rel=1e-6)
     assert (pointers.min_pointers == 0) == (pointers.saved == 0) and pointers.tolerance == skip.tolerance
+    curve = cal.k_curve  # the served k is the cheapest within the tolerance of the best k
+    assert curve is not None and [p.k for p in curve.ks] == sorted(p.k for p in curve.ks) and cal.k in [p.k for p in curve.ks]
+    best = min(p.tune_ppl for p in curve.ks)
+    assert cal.k == min(p.k for p in curve.ks if p.tune_ppl <= best * (1 + curve.tolerance))
     # The held-out documents are not in the index: it has fewer entries than the corpus has positions.
     assert manifest.entries < manifest.corpus.tokens - manifest.corpus.documents
+
+
+def test_the_cheapest_k_within_the_tolerance_is_served():
+    rng = np.random.default_rng(0)
+    ks, temperatures, lambdas = [16, 64, 256, 1024], [1.0, 10.0], [0.0, 0.25, 0.5]
+    # Perplexity over (k, τ, λ): k = 16 is 3% worse than the best (k = 1024), k = 64 0.2% worse.
+    best_at_k = {16: 10.3, 64: 10.02, 256: 10.01, 1024: 10.0}
+    tune = 10.0 + rng.uniform(0.5, 1.0, (4, 2, 3))
+    for a, k in enumerate(ks):
+        tune[a, 1, 2] = best_at_k[k]
+    swept = {
+        "grid": {"k": ks, "temperature": temperatures, "lambda": lambdas, "tune_ppl": tune.tolist(), "report_ppl": (tune + 1).tolist()}
+    }
+    assert cheapest_k(swept, 0.0)["k"] == 1024
+    chosen = cheapest_k(swept, 0.0025)
+    assert chosen["k"] == 64 and (chosen["temperature"], chosen["lambda"]) == (10.0, 0.5)
+    assert chosen["tune_ppl"] == 10.02 and chosen["report_ppl"] == 11.02
+    assert cheapest_k(swept, 0.05)["k"] == 16
+    assert [p["k"] for p in chosen["curve"]] == ks and [p["tune_ppl"] for p in chosen["curve"]] == [best_at_k[k] for k in ks]
 
 
 def test_the_skip_rule_skips_where_the_lm_alone_is_as_good():
