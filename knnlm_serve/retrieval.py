@@ -10,8 +10,10 @@ while a graph is being built or after it failed (see `RayRetriever`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -86,8 +88,10 @@ class ShardActor:
         # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the search should use the node's cores.
         import torch
 
-        faiss.omp_set_num_threads(threads or os.cpu_count())
-        torch.set_num_threads(threads or os.cpu_count())  # exact (flat) shards search with torch
+        self.threads = threads
+        self._allowed = sorted(os.sched_getaffinity(0))
+        faiss.omp_set_num_threads(threads or len(self._allowed))
+        torch.set_num_threads(threads or len(self._allowed))  # exact (flat) shards search with torch
         manifest = read_manifest(root)
         ((shard, first),) = [(s, f) for s, f in zip(manifest.shards, shard_first_ids(manifest)) if s.name == shard_name]
         self.searcher = ShardSearcher(Path(root), shard, first, use_gpu, mmap)
@@ -97,10 +101,39 @@ class ShardActor:
 
         s = self.searcher
         node = ray.get_runtime_context().get_node_id()
-        return {"name": s.name, "entries": s.ntotal, "dim": s.dim, "on_gpu": s.on_gpu, "pid": os.getpid(), "node": node}
+        return {
+            "name": s.name,
+            "entries": s.ntotal,
+            "dim": s.dim,
+            "on_gpu": s.on_gpu,
+            "pid": os.getpid(),
+            "node": node,
+            "cpus": sorted(os.sched_getaffinity(0)),
+        }
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None = None):
         return _timed(self.searcher.find, queries, k, nprobe, pointers)
+
+    def keep_off(self, model_cpus: dict[str, list[int]]) -> list[int]:
+        """Run on this host's CPUs that no vLLM worker is bound to (`model_cpus`: host -> CPUs).
+
+        vLLM's CPU worker binds its OpenMP threads to cores and leaves the rest to the other
+        processes; a search thread on a model core takes that core from the model and waits at its
+        own thread barrier for it. Where every CPU is the model's (or none is bound, as on GPU
+        hosts) nothing changes. Returns the CPUs the actor runs on."""
+        import faiss
+        import torch
+
+        cpus = sorted(set(self._allowed) - set(model_cpus.get(socket.gethostname(), [])))
+        if not cpus or cpus == sorted(os.sched_getaffinity(0)):
+            return sorted(os.sched_getaffinity(0))
+        for thread in os.listdir("/proc/self/task"):  # every thread: the OpenMP pool exists already
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(thread), cpus)
+        faiss.omp_set_num_threads(self.threads or len(cpus))
+        torch.set_num_threads(self.threads or len(cpus))
+        logger.info("shard %s: searching on CPUs %s, off the model's", self.searcher.name, cpus)
+        return cpus
 
 
 def actor_name(info: DatastoreInfo, shard: str, replica: int = 0) -> str:

@@ -294,3 +294,21 @@ def test_unload_and_default(server, ids):
     with pytest.raises(Exception) as e:  # an unloaded name is now an unknown datastore: HTTP 400
         complete(server, ids["prompt"], knn_datastore="second")
     assert getattr(e.value, "status_code", None) == 400 and "knn_datastore" in str(e.value)
+
+
+def test_shard_actors_search_off_the_models_cores(server):
+    """vLLM's CPU worker binds its threads to cores and leaves the others to other processes: the
+    shard actors run on those, including the one Ray restarted after the kill above."""
+    import os
+
+    model = {cpu for cpus in admin(server, "GET", "/health").json()["model_cpus"].values() for cpu in cpus}
+    rest = set(os.sched_getaffinity(0)) - model
+    if not model or not rest:
+        pytest.skip(f"vLLM bound the model to {sorted(model)} of {sorted(os.sched_getaffinity(0))}: no other cores to search on")
+    deadline = time.monotonic() + 30  # a restarted actor is moved when the health check sees its new pid
+    while True:
+        shards = admin(server, "GET", "/health").json()["shards"]
+        if shards and all(set(s.get("cpus", ())) == rest for s in shards):
+            break
+        assert time.monotonic() < deadline, shards
+        time.sleep(0.5)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
+import socket
 
 import numpy as np
 import torch
@@ -139,7 +141,14 @@ class KnnWorkerExtension:
             raise KnnlmError("vLLM was started without --logits-processors knnlm_serve.engine.plugin:KnnRequestTracker")
         model.knn_logits = KnnLogits(Runtime.model_validate_json(runtime_json), tracker.batch, model.knn_capture, StepView(runner))
         logger.info("kNN attached to %s", type(model).__name__)
-        return {"model": type(model).__name__, "ffn_input": model.knn_capture.has_ffn_input}
+        # The cores vLLM bound this worker's threads to (all of them where it binds none): shard
+        # actors on this host keep off them (ShardActor.keep_off).
+        return {
+            "model": type(model).__name__,
+            "ffn_input": model.knn_capture.has_ffn_input,
+            "host": socket.gethostname(),
+            "cpus": sorted(os.sched_getaffinity(0)),
+        }
 
     def knnlm_set_runtime(self, runtime_json: str) -> None:
         self.model_runner.get_model().knn_logits.set_runtime(Runtime.model_validate_json(runtime_json))

@@ -137,6 +137,14 @@ class VllmEngineLink:
         return {(name, version) for worker in self._call(PINNED_VERSIONS) for name, version in worker}
 
 
+def model_cpus(attached: list[dict]) -> dict[str, list[int]]:
+    """host -> the CPUs vLLM's workers there are bound to, from what each worker's attach returned."""
+    cpus: dict[str, set[int]] = {}
+    for worker in attached:
+        cpus.setdefault(worker["host"], set()).update(worker["cpus"])
+    return {host: sorted(c) for host, c in cpus.items()}
+
+
 class KnnAdminPlugin:
     """vLLM endpoint plugin: the admin routes, and the registry's connection to the workers."""
 
@@ -155,5 +163,5 @@ class KnnAdminPlugin:
             return
         attached = await engine_client.collective_rpc(ATTACH, timeout=RPC_TIMEOUT_S, args=(registry.runtime.model_dump_json(),))
         state.knnlm_registry = registry
-        registry.connect(VllmEngineLink(engine_client, asyncio.get_running_loop()))
+        registry.connect(VllmEngineLink(engine_client, asyncio.get_running_loop()), model_cpus(attached))
         logger.info("kNN attached to %d worker(s): %s", len(attached), attached)

@@ -46,6 +46,7 @@ class DatastoreRegistry:
         self.model = model
         self.runtime = Runtime(knn=knn.settings(), ray_address=ray_address)
         self._engine: EngineLink | None = None  # connected once vLLM's workers are up
+        self._model_cpus: dict[str, list[int]] = {}  # host -> CPUs vLLM's workers are bound to
         self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
         self._retired: dict[tuple[str, int], tuple[DatastoreInfo, float]] = {}
         self._versions: dict[str, int] = {}
@@ -54,10 +55,22 @@ class DatastoreRegistry:
         self._lock = threading.RLock()
         threading.Thread(target=self._reap_forever, daemon=True, name="knnlm-reaper").start()
 
-    def connect(self, engine: EngineLink) -> None:
-        """From now on every change reaches the workers (they were attached with the current runtime)."""
+    def connect(self, engine: EngineLink, model_cpus: dict[str, list[int]] | None = None) -> None:
+        """From now on every change reaches the workers (they were attached with the current runtime).
+        `model_cpus` (host -> CPUs vLLM's workers are bound to): every shard actor keeps off them."""
         with self._lock:
             self._engine = engine
+            self._model_cpus = model_cpus or {}
+            for actors in self._actors.values():
+                self._keep_off_model(actors)
+
+    def _keep_off_model(self, actors: list[list]) -> None:
+        """Move these shard actors off the model's cores (started before the workers were
+        attached, after, or restarted by Ray); without waiting: a search may come first."""
+        if self._model_cpus:
+            for replicas in actors:
+                for actor in replicas:
+                    actor.keep_off.remote(self._model_cpus)
 
     # -- changes ---------------------------------------------------------------------------------
     def load(self, name: str, path: str | Path, *, make_default: bool = False, key_type: KeyType | None = None) -> DatastoreInfo:
@@ -69,6 +82,7 @@ class DatastoreRegistry:
                 info = self._check(name, Path(path), key_type)
                 if self.runtime.knn.backend == "ray":
                     self._actors[info.key] = start_shard_actors(info, self.runtime.knn)
+                    self._keep_off_model(self._actors[info.key])
                 self._probe(info)
             except DatastoreError:
                 metrics.SWAPS.labels(name, "rejected").inc()
@@ -116,7 +130,7 @@ class DatastoreRegistry:
         refs = [actor.describe.remote() for *_, actor in items]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.runtime.knn.shard_timeout_s) if refs else ([], [])
         shards = []
-        for (info, shard, replica, _), ref in zip(items, refs):
+        for (info, shard, replica, actor), ref in zip(items, refs):
             entry = {
                 "datastore": info.name,
                 "version": info.version,
@@ -132,14 +146,20 @@ class DatastoreRegistry:
                 entry["status"] = "unavailable"
             else:
                 entry.update(
-                    status="ok", pid=described["pid"], node=described["node"], entries=described["entries"], on_gpu=described["on_gpu"]
+                    status="ok",
+                    pid=described["pid"],
+                    node=described["node"],
+                    cpus=described["cpus"],
+                    entries=described["entries"],
+                    on_gpu=described["on_gpu"],
                 )
                 previous = self._pids.setdefault(entry["actor"], described["pid"])
                 if previous != described["pid"]:
                     metrics.SHARD_RESTARTS.labels(info.name, shard, str(replica)).inc()
                     self._pids[entry["actor"]] = described["pid"]
+                    self._keep_off_model([[actor]])  # a restarted actor starts on every CPU again
             shards.append(entry)
-        return {"healthy": all(s["status"] == "ok" for s in shards), "shards": shards}
+        return {"healthy": all(s["status"] == "ok" for s in shards), "model_cpus": self._model_cpus, "shards": shards}
 
     # -- internals -------------------------------------------------------------------------------
     def _get(self, name: str) -> DatastoreInfo:
