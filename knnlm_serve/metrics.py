@@ -33,12 +33,18 @@ SLOWEST_SHARD_SECONDS = Histogram(
     ["datastore"],
     buckets=_LATENCY_BUCKETS,
 )
-QUERIES = Counter("knnlm_queries", "query vectors sent to a datastore", ["datastore"])
+QUERIES = Counter(
+    "knnlm_queries",
+    "query vectors sent to a datastore (with knn.overlap, also those of rows the skip rule then served p_LM)",
+    ["datastore"],
+)
 POINTER_ROWS = Counter(
     "knnlm_pointer_rows", "rows of kNN requests served from the last step's neighbours' successors, without a search", ["datastore"]
 )
 SKIPPED_ROWS = Counter(
-    "knnlm_skipped_rows", "rows of kNN requests served p_LM without a search: the LM was confident (adaptive retrieval)", ["datastore"]
+    "knnlm_skipped_rows",
+    "rows of kNN requests served p_LM because the LM was confident (adaptive retrieval): not searched, unless knn.overlap began it",
+    ["datastore"],
 )
 NEIGHBOURS = Counter("knnlm_neighbours", "neighbours retrieved (k per query)", ["datastore"])
 FALLBACKS = Counter("knnlm_fallbacks", "rows served with fewer shards or LM-only, by reason", ["datastore", "reason"])

@@ -49,6 +49,17 @@ class SearchResult:
     failed_shards: dict[str, str] = field(default_factory=dict)  # shard -> reason
 
 
+@dataclass
+class PendingSearch:
+    """A search sent to the shards and not yet collected (RayRetriever.start -> result)."""
+
+    info: DatastoreInfo
+    args: tuple  # (queries, k, nprobe, pointers) as sent
+    deadline: float  # time.monotonic() by which every shard must have answered
+    orders: list[list[int]]  # per shard, its replicas in the order they are asked
+    calls: list[tuple]  # per shard, the first replica's call in flight
+
+
 def _timed(method, *args):
     """(distances, tokens, ids, seconds) of a shard's answer."""
     start = time.perf_counter()
@@ -67,12 +78,19 @@ class LocalRetriever:
         self.gpu, self.mmap = knn.gpu, knn.mmap
         self._shards: dict[tuple[str, int], list[ShardSearcher]] = {}
 
-    def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
+    def start(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
+        """In-process shards search at once: their answer is the pending search."""
         if info.key not in self._shards:
             self._shards[info.key] = _shard_searchers(info, self.gpu, self.mmap)
         answers = {s.name: _timed(s.find, queries, k, nprobe, pointers) for s in self._shards[info.key]}
         distances, tokens, ids = merge_topk([a[:3] for a in answers.values()], k)
         return SearchResult(distances, tokens, ids, {name: a[3] for name, a in answers.items()})
+
+    def result(self, pending: SearchResult) -> SearchResult:
+        return pending
+
+    def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
+        return self.result(self.start(info, queries, k, nprobe, pointers))
 
     def release(self, keep: set[tuple[str, int]]) -> None:
         for key in set(self._shards) - keep:
@@ -244,6 +262,11 @@ class RayRetriever:
         return [shard for shard, replicas in zip(info.shards, ready) if replicas and all(replicas)]
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
+        return self.result(self.start(info, queries, k, nprobe, pointers))
+
+    def start(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> PendingSearch:
+        """Send the step's queries to one replica of every shard and return without waiting: the
+        shards search while the caller goes on (knn.overlap: the rest of the forward pass)."""
         # Plain calls pass the queries with the call, not through ray.put: Ray inlines arguments
         # under 100 KB (a step's batch of 32 is 74 KB) and puts larger ones itself.
         queries = np.ascontiguousarray(queries, dtype=np.float32)
@@ -255,6 +278,13 @@ class RayRetriever:
         self._turn += 1
         orders = [self._order(info.key, index, len(replicas)) for index, replicas in enumerate(actors)]
         calls = [self._call(info.key, index, order[0], actors, args) for index, order in enumerate(orders)]
+        return PendingSearch(info, args, deadline, orders, calls)
+
+    def result(self, pending: PendingSearch) -> SearchResult:
+        """Wait for the shards of a started search (each within the step's deadline, the next
+        replica asked where one fails) and merge their answers."""
+        info, args, deadline, orders, calls = pending.info, pending.args, pending.deadline, pending.orders, pending.calls
+        actors, k = self._handles(info), args[1]
         found, seconds, failed = {}, {}, {}
         for index, (shard, order) in enumerate(zip(info.shards, orders)):
             for attempt, replica in enumerate(order):

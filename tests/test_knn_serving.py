@@ -262,3 +262,50 @@ def test_invalid_xargs_are_a_400_naming_the_field(knn_server, xargs, field):
         complete(knn_server, PREFIX, max_tokens=2, **xargs)
     assert field in e.value.message and str(next(iter(xargs.values()))) in e.value.message
     assert complete(knn_server, PREFIX, max_tokens=2).token_ids  # and the server keeps serving
+
+
+def test_overlap_serves_what_is_served_without_it(knn_server, token_ids, tiny_model_dir, tmp_path_factory):
+    """knn.overlap starts each step's searches mid-forward, from the op in vLLM's compiled graph,
+    and applies the skip rule to their answers: the same tokens and logprobs, alone and batched,
+    and for prompt logprobs (searched after the forward pass as before)."""
+    prompt = token_ids["a"][: len(PREFIX.split()) + 2]
+    requests = [
+        {"knn_datastore": "a", "knn_lambda": 1.0},
+        {"knn_datastore": "b", "knn_lambda": 1.0},
+        {"knn": False},
+        {"knn_datastore": "a3", "knn_lambda": 0.5, "knn_k": 2},
+        {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.02},
+        {"knn_datastore": "a3", "knn_lambda": 0.9, "knn_pointers": 1},
+        {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.0},  # every row skipped after its search began
+    ]
+    expected = [complete(knn_server, prompt, **x) for x in requests]
+    expected_echo = prompt_logprobs(knn_server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)
+    work = tmp_path_factory.mktemp("overlap")
+    config = {**TINY_SERVER, "enforce_eager": False, "model": str(tiny_model_dir), "knn": {**knn_server.config["knn"], "overlap": True}}
+    with RunningServer(config, work) as server:
+        alone = [complete(server, prompt, **x) for x in requests]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda x: complete(server, prompt, **x), requests))
+        echo = prompt_logprobs(server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)
+        # A request whose every row is skipped: its searches ran all the same, begun before the
+        # logits existed, where the server without overlap searches none of its rows.
+        all_skipped = {"knn_datastore": "a", "knn_skip_threshold": 0.0}
+        counted = [rows_counted(s, lambda s=s: complete(s, prompt, max_tokens=6, **all_skipped)) for s in (server, knn_server)]
+    for want, *got in zip(expected, alone, together):
+        for choice in got:
+            assert choice.token_ids == want.token_ids
+            np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4)
+    np.testing.assert_allclose(echo, expected_echo, atol=1e-4)
+    (overlap_skipped, overlap_searched), (skipped, searched) = counted
+    assert overlap_skipped == skipped == 6 and searched == 0 and overlap_searched == 6
+
+
+def rows_counted(server, send) -> tuple[float, float]:
+    """Rows of datastore "a" skipped and searched while `send()` ran."""
+    before = scrape_metrics(server.base_url)
+    send()
+    after = scrape_metrics(server.base_url)
+    return tuple(
+        metric_total(after, rf'knnlm_{name}_total\{{datastore="a"') - metric_total(before, rf'knnlm_{name}_total\{{datastore="a"')
+        for name in ("skipped_rows", "queries")
+    )

@@ -4,14 +4,35 @@
 the one the index builder uses). Its pre-hook is registered when the model is built, before
 vLLM compiles it, so Dynamo traces it into the graph. `final` is what `compute_logits` receives.
 The model's whole output is kept too: prompt-logprob calls pass views of it.
+
+The pre-hook also calls the `knnlm::key_ready` op: opaque to Dynamo and Inductor, so it runs as
+Python at that point of every forward pass, compiled or not, and hands the FFN input to whoever
+listens (KnnLogits.key_ready, which starts the step's searches there with knn.overlap).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from knnlm_core.config import KeyType
 from knnlm_core.keys import ffn_module
+
+_listener: Callable[[torch.Tensor], None] | None = None  # one model, so one listener, per worker process
+
+
+# Declared as mutating its argument, though it only reads it: the compiler keeps an op that
+# mutates and orders the FFN block after it; one without outputs or mutations would be dropped.
+@torch.library.custom_op("knnlm::key_ready", mutates_args=("ffn_input",))
+def key_ready(ffn_input: torch.Tensor) -> None:
+    if _listener is not None:
+        _listener(ffn_input)
+
+
+@key_ready.register_fake
+def _(ffn_input: torch.Tensor) -> None:
+    return None
 
 
 class KeyCapture:
@@ -24,8 +45,15 @@ class KeyCapture:
             ffn.register_forward_pre_hook(self._capture_ffn_input)
         model.register_forward_hook(self._capture_output)
 
+    @staticmethod
+    def listen(callback: Callable[[torch.Tensor], None] | None) -> None:
+        """Call `callback(ffn_input)` in the middle of each forward pass, when the keys exist."""
+        global _listener
+        _listener = callback
+
     def _capture_ffn_input(self, module, args):
         self._ffn_input = args[0]
+        torch.ops.knnlm.key_ready(args[0])
 
     def _capture_output(self, module, args, output):
         self.hidden = output if isinstance(output, torch.Tensor) else None

@@ -2,19 +2,24 @@
 
 Per call (one per step for the sampling rows, one per request for prompt-logprob rows):
   1. rows: each logits row's token in the step and its request's batch slot (vllm_adapter);
-  2. requests: each row's kNN settings and pinned datastore version (batch_requests);
-  3. groups: rows of active requests, by pinned version;
-  4. per group: the rows the LM is not confident on (knn_mixer.rows_to_search; the others keep
-     p_LM), their keys (capture), their neighbours and λ, τ (knn_mixer.search, on the first
+  2. plan: each row's kNN settings and pinned datastore version (batch_requests), and the rows of
+     active requests grouped by pinned version;
+  3. per group: the rows the LM is not confident on (knn_mixer.rows_to_search; the others keep
+     p_LM), their keys (capture), their neighbours and λ, τ (knn_mixer.start/finish, on the first
      tensor-parallel rank only, shared with the others): the k nearest from that version's
      shards, or for a sampling row whose last step's neighbours predicted the token it was fed,
      those neighbours' successors (pointer following); then log(λ·p_kNN + (1−λ)·p_LM) in
      place of those rows' logits (knn_mixer.mix). Sampling rows keep their neighbours for the
      next step.
+With knn.overlap, steps 1-2 and the start of the search happen earlier, mid-forward (key_ready),
+for every active sampling row; the call then applies the skip rule and collects the answers.
 vLLM computes sample and prompt logprobs from what this returns, so clients see the mixture.
 """
 
 from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,9 +29,27 @@ from knnlm_serve import metrics
 from knnlm_serve.engine.batch_requests import BatchRequest, BatchRequests, LastNeighbours
 from knnlm_serve.engine.capture import KeyCapture
 from knnlm_serve.engine.explanations import Evidence, ExplanationLog
-from knnlm_serve.engine.knn_mixer import KnnMixer
+from knnlm_serve.engine.knn_mixer import KnnMixer, Neighbours, PendingRows
+from knnlm_serve.engine.request_params import KnnParams
+from knnlm_serve.engine.rows import LogitsRows
 from knnlm_serve.retrieval import make_retriever
 from knnlm_serve.runtime import DatastoreInfo, Runtime
+
+logger = logging.getLogger("knnlm_serve")
+
+
+@dataclass
+class StepPlan:
+    """One `compute_logits` call's rows resolved to requests, and the rows of active requests
+    grouped by pinned datastore version (the order of the groups is the order they are served)."""
+
+    rows: LogitsRows
+    params: list[KnnParams]
+    requests: list[BatchRequest]
+    last: list[LastNeighbours | None]  # each row's request's last neighbours, before this step
+    groups: dict[tuple[str, int], list[int]]
+    versions: dict[tuple[str, int], DatastoreInfo]
+    started: dict[tuple[str, int], PendingRows | None] = field(default_factory=dict)  # searches begun mid-forward
 
 
 class KnnLogits:
@@ -37,24 +60,93 @@ class KnnLogits:
         self.step = step  # vllm_adapter.StepView: the runner's view of this step
         self.mixer = KnnMixer(make_retriever(runtime.knn, runtime.ray_address))
         self.explanations = ExplanationLog()
+        self._begun: StepPlan | None = None  # this step's sampling rows, planned and searching since key_ready
+        capture.listen(self.key_ready)
 
     def set_runtime(self, runtime: Runtime) -> None:
         """A new serving set from the registry; versions no running request is pinned to are released."""
         self.runtime = runtime
         self.mixer.release(self.batch.pinned_versions() | {i.key for i in runtime.datastores.values()})
 
+    def key_ready(self, ffn_input: torch.Tensor) -> None:
+        """Mid-forward, once the last layer's FFN input exists (capture's `knnlm::key_ready`): with
+        knn.overlap, start the sampling rows' searches now, so the shards search while the last MLP,
+        the final norm and the LM head run; `__call__` collects them. The skip rule needs the
+        logits, so every active row is searched and the rule is applied to the answers."""
+        self._begun = None
+        if not self.runtime.knn.overlap:
+            return
+        rows = self.step.sampling_rows()
+        if rows is None:
+            return
+        plan = self._plan(rows)
+        for key, group in plan.groups.items():
+            info = plan.versions[key]
+            if info.key_type != "ffn_input":  # the final hidden state does not exist yet
+                continue
+            keys = ffn_input[torch.as_tensor(rows.token_index[group], device=ffn_input.device)]
+            plan.started[key] = self._start(plan, group, info, keys) if self.step.tp_rank == 0 else None
+        self._begun = plan
+
     def __call__(self, logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         rows = self.step.rows_of(hidden_states, self.capture.hidden)
+        begun, self._begun = self._begun, None
         if rows is None:  # vLLM's warm-up and profiling calls
             return logits
-        groups: dict[tuple[str, int], list[int]] = {}
-        versions: dict[tuple[str, int], DatastoreInfo] = {}
-        params, requests, last = [], [], []
+        if begun is not None and not (rows.sampling and np.array_equal(begun.rows.token_index, rows.token_index)):
+            self._drain(begun)  # not this call's rows (cannot happen with vLLM 0.32's runner): plan anew
+            begun = None
+        plan = begun if rows.sampling and begun is not None else self._plan(rows)
+        if not plan.groups:
+            return logits
+        logits = logits.float()
+        params, requests = plan.params, plan.requests
+        explained = [r for members in plan.groups.values() for r in members if params[r].explain_id is not None]
+        evidence = Evidence(self.step.positions(rows), rows.sampling, logits, explained) if explained else None
+        for key, group in plan.groups.items():
+            info = plan.versions[key]
+            if evidence:
+                evidence.skipped(group, info)
+            searched = self.mixer.rows_to_search(logits, group, [params[r] for r in group], info.name)
+            if key in plan.started:  # begun mid-forward: collected even if every row was skipped
+                keep = [group.index(r) for r in searched]
+                found = self.step.on_first_rank(self.mixer.finish, plan.started[key], keep)
+            elif searched:
+                keys = self.capture.keys(
+                    info.key_type, torch.as_tensor(rows.token_index[searched], device=hidden_states.device), hidden_states[searched]
+                )
+                found = self.step.on_first_rank(self._search, plan, searched, info, keys)
+            else:
+                continue
+            if not searched:
+                continue
+            if evidence:
+                evidence.found(searched, info, found)
+            if found is None:
+                continue
+            self.mixer.mix(logits, searched, found, info.name)
+            if rows.sampling:
+                for i, r in enumerate(searched):
+                    requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))
+        if evidence:
+            evidence.record(self.explanations, requests)
+        return logits
+
+    def _drain(self, plan: StepPlan) -> None:
+        for started in plan.started.values():
+            if started is not None:
+                self.mixer.finish(started, keep=[])
+        logger.warning("knnlm: searches begun mid-forward were not for this step's sampling rows; searched again")
+
+    def _plan(self, rows: LogitsRows) -> StepPlan:
+        """Resolve each row's request (pinning its version at its first step) and group the rows
+        of active requests by version. Sampling rows hand their request's last neighbours over."""
+        plan = StepPlan(rows, [], [], [], {}, {})
         for row, slot in enumerate(rows.slot.tolist()):
             request = self.batch.resolve(slot, self.runtime)
-            params.append(request.params)
-            requests.append(request)
-            last.append(request.last)
+            plan.params.append(request.params)
+            plan.requests.append(request)
+            plan.last.append(request.last)
             if rows.sampling:
                 request.last = None  # kept only if this row finds neighbours
             if not request.params.active:
@@ -62,36 +154,17 @@ class KnnLogits:
             if request.pinned is None:  # unloaded between admission and the request's first step
                 metrics.FALLBACKS.labels(request.params.datastore, "datastore_unloaded").inc()
                 continue
-            versions[request.pinned.key] = request.pinned
-            groups.setdefault(request.pinned.key, []).append(row)
-        if not groups:
-            return logits
-        logits = logits.float()
-        explained = [r for members in groups.values() for r in members if params[r].explain_id is not None]
-        evidence = Evidence(self.step.positions(rows), rows.sampling, logits, explained) if explained else None
-        for key, group in groups.items():
-            info = versions[key]
-            if evidence:
-                evidence.skipped(group, info)
-            group = self.mixer.rows_to_search(logits, group, [params[r] for r in group], info.name)
-            if not group:
-                continue
-            token_index = torch.as_tensor(rows.token_index[group], device=hidden_states.device)
-            keys = self.capture.keys(info.key_type, token_index, hidden_states[group])
-            queries = keys.float().cpu().numpy()
-            candidates = [self._pointers(requests[r], last[r], info) if rows.sampling else None for r in group]
-            found = self.step.on_first_rank(self.mixer.search, info, queries, [params[r] for r in group], self.runtime, candidates)
-            if evidence:
-                evidence.found(group, info, found)
-            if found is None:
-                continue
-            self.mixer.mix(logits, group, found, info.name)
-            if rows.sampling:
-                for i, r in enumerate(group):
-                    requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))
-        if evidence:
-            evidence.record(self.explanations, requests)
-        return logits
+            plan.versions[request.pinned.key] = request.pinned
+            plan.groups.setdefault(request.pinned.key, []).append(row)
+        return plan
+
+    def _search(self, plan: StepPlan, group: list[int], info: DatastoreInfo, keys: torch.Tensor) -> Neighbours | None:
+        return self.mixer.finish(self._start(plan, group, info, keys))
+
+    def _start(self, plan: StepPlan, group: list[int], info: DatastoreInfo, keys: torch.Tensor) -> PendingRows:
+        """Send the rows' queries (or their pointers' successors) to the version's shards."""
+        candidates = [self._pointers(plan.requests[r], plan.last[r], info) if plan.rows.sampling else None for r in group]
+        return self.mixer.start(info, keys.float().cpu().numpy(), [plan.params[r] for r in group], self.runtime, candidates)
 
     def _pointers(self, request: BatchRequest, last: LastNeighbours | None, info: DatastoreInfo) -> np.ndarray | None:
         """Successors of the request's last neighbours that predicted the token it sampled from them."""

@@ -1,6 +1,7 @@
 """For a group of logits rows of one datastore version: drop the rows the LM is confident on
 (adaptive retrieval), find the rest's neighbours (a search, or the successors of the last step's
-neighbours: pointer following), mix p_kNN into those rows, record metrics."""
+neighbours: pointer following), mix p_kNN into those rows, record metrics. A search is started
+(`start`) and collected (`finish`) separately, so that it can run while the forward pass ends."""
 
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ class Neighbours:
     followed: np.ndarray  # bool [n]: the row's neighbours are its pointers' successors, not a search
 
 
+@dataclass
+class PendingRows:
+    """A group's search in flight: what `KnnMixer.finish` needs to turn its answer into Neighbours."""
+
+    info: DatastoreInfo
+    params: list[KnnParams]
+    ks: np.ndarray
+    follow: np.ndarray  # bool [n]: the row follows pointers
+    started: float
+    pending: object  # the retriever's pending search, or the RetrievalError that starting it raised
+
+
 class KnnMixer:
     def __init__(self, retriever):
         self.retriever = retriever
@@ -60,13 +73,10 @@ class KnnMixer:
         metrics.SKIPPED_ROWS.labels(datastore).inc(len(rows) - len(kept))
         return kept
 
-    def search(
-        self, info: DatastoreInfo, keys: np.ndarray, params: list[KnnParams], runtime: Runtime, candidates: list[np.ndarray | None]
-    ) -> Neighbours | None:
-        """The rows' neighbours, or None when no shard answered (the rows are then served LM-only).
-
-        A row with at least its `min_pointers` candidates (pointer following) is scored against
-        those entries only; the others are searched."""
+    def start(self, info: DatastoreInfo, keys: np.ndarray, params: list[KnnParams], runtime: Runtime, candidates: list[np.ndarray | None]):
+        """Send the rows' search to the shards; `finish` collects it. A row with at least its
+        `min_pointers` candidates (pointer following) is scored against those entries only; the
+        others are searched."""
         ks = np.array([p.k for p in params])
         follow = np.array([c is not None and 0 < p.min_pointers <= len(c) for c, p in zip(candidates, params)], dtype=bool)
         pointers = None  # [n, max candidates], -1 padding: a row follows pointers when its first is set
@@ -74,28 +84,46 @@ class KnnMixer:
             pointers = np.full((len(params), max(len(candidates[r]) for r in np.flatnonzero(follow))), -1, dtype=np.int64)
             for r in np.flatnonzero(follow):
                 pointers[r, : len(candidates[r])] = candidates[r]
-        start = time.perf_counter()
+        started = time.perf_counter()
         try:
-            result = self.retriever.search(info, keys, int(ks.max()), runtime.knn.nprobe or info.nprobe, pointers)
+            pending = self.retriever.start(info, keys, int(ks.max()), runtime.knn.nprobe or info.nprobe, pointers)
         except RetrievalError as e:
-            metrics.FALLBACKS.labels(info.name, e.reason).inc(len(params))
-            logger.warning("serving %d row(s) LM-only: %s", len(params), e)
+            pending = e
+        return PendingRows(info, params, ks, follow, started, pending)
+
+    def finish(self, rows: PendingRows, keep: list[int] | None = None) -> Neighbours | None:
+        """The neighbours of a started search's rows (only the rows at positions `keep`, when
+        given), or None when no shard answered (the rows are then served LM-only)."""
+        info, params, ks, follow = rows.info, rows.params, rows.ks, rows.follow
+        served = len(params) if keep is None else len(keep)
+        try:
+            if isinstance(rows.pending, RetrievalError):
+                raise rows.pending
+            result = self.retriever.result(rows.pending)
+        except RetrievalError as e:
+            metrics.FALLBACKS.labels(info.name, e.reason).inc(served)
+            if served:
+                logger.warning("serving %d row(s) LM-only: %s", served, e)
             return None
-        metrics.RETRIEVAL_SECONDS.labels(info.name).observe(time.perf_counter() - start)
+        metrics.RETRIEVAL_SECONDS.labels(info.name).observe(time.perf_counter() - rows.started)
         for shard, seconds in result.shard_seconds.items():
             metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
         if result.shard_seconds:
             metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
         for reason in result.failed_shards.values():
-            metrics.FALLBACKS.labels(info.name, reason).inc(len(params))
+            metrics.FALLBACKS.labels(info.name, reason).inc(served)
         metrics.RETRIEVAL_STEPS.labels(info.name).inc()
-        metrics.QUERIES.labels(info.name).inc(int((~follow).sum()))
+        metrics.QUERIES.labels(info.name).inc(int((~follow).sum()))  # with overlap, rows the skip rule then dropped too
         metrics.POINTER_ROWS.labels(info.name).inc(int(follow.sum()))
         metrics.NEIGHBOURS.labels(info.name).inc(int(ks.sum()))
+        distances, tokens, ids = result.distances, result.tokens, result.ids
+        if keep is not None:
+            params, ks, follow = [params[i] for i in keep], ks[keep], follow[keep]
+            distances, tokens, ids = distances[keep], tokens[keep], ids[keep]
         # Rows that asked for fewer neighbours are padded (new arrays: Ray's answers are read-only views).
-        beyond_k = np.arange(result.distances.shape[1])[None, :] >= ks[:, None]
-        distances = np.where(beyond_k, np.float32(np.inf), result.distances)
-        tokens, ids = np.where(beyond_k, -1, result.tokens), np.where(beyond_k, -1, result.ids)
+        beyond_k = np.arange(distances.shape[1])[None, :] >= ks[:, None]
+        distances = np.where(beyond_k, np.float32(np.inf), distances)
+        tokens, ids = np.where(beyond_k, -1, tokens), np.where(beyond_k, -1, ids)
         return Neighbours(
             distances,
             tokens,

@@ -108,6 +108,12 @@ class StepView:
             raise _incompatible(f"a sampling call had {hidden_states.shape[0]} rows for {num_reqs} requests")
         return sampling_rows(query_start_loc, num_reqs)
 
+    def sampling_rows(self) -> LogitsRows | None:
+        """The rows this step's sampling call will have, known before the forward pass ends; None
+        outside a real step."""
+        num_reqs = self._runner.input_batch.num_reqs
+        return sampling_rows(self._runner.query_start_loc.np, num_reqs) if num_reqs else None
+
     def positions(self, rows: LogitsRows) -> np.ndarray:
         """Each row's token position in its request (prompt and output tokens counted together)."""
         query_start_loc = self._runner.query_start_loc.np
