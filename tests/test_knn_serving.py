@@ -100,17 +100,20 @@ def test_prompt_logprobs_are_the_mixture(knn_server, plain_tiny_server, token_id
     assert np.all(memorised > np.log(0.45)) and np.mean(plain) < -5
 
 
+MIXED_REQUESTS = [
+    {"knn_datastore": "a", "knn_lambda": 1.0},
+    {"knn_datastore": "b", "knn_lambda": 1.0},
+    {"knn": False},
+    {"knn_datastore": "a3", "knn_lambda": 0.5, "knn_k": 2},
+    {"knn_datastore": "b", "knn_lambda": 0.3, "knn_temperature": 5.0},
+    {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.02},
+    {"knn_datastore": "a3", "knn_lambda": 0.9, "knn_pointers": 1},  # its own pointers, across 3 shards
+]
+
+
 def test_mixed_batch_rows_get_their_own_settings(knn_server, token_ids):
     prompt = token_ids["a"][: len(PREFIX.split()) + 2]
-    requests = [
-        {"knn_datastore": "a", "knn_lambda": 1.0},
-        {"knn_datastore": "b", "knn_lambda": 1.0},
-        {"knn": False},
-        {"knn_datastore": "a3", "knn_lambda": 0.5, "knn_k": 2},
-        {"knn_datastore": "b", "knn_lambda": 0.3, "knn_temperature": 5.0},
-        {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.02},
-        {"knn_datastore": "a3", "knn_lambda": 0.9, "knn_pointers": 1},  # its own pointers, across 3 shards
-    ] * 2
+    requests = MIXED_REQUESTS * 2
     alone = [complete(knn_server, prompt, **x) for x in requests[:7]]
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda x: complete(knn_server, prompt, **x), requests))
@@ -269,15 +272,7 @@ def test_overlap_serves_what_is_served_without_it(knn_server, token_ids, tiny_mo
     and applies the skip rule to their answers: the same tokens and logprobs, alone and batched,
     and for prompt logprobs (searched after the forward pass as before)."""
     prompt = token_ids["a"][: len(PREFIX.split()) + 2]
-    requests = [
-        {"knn_datastore": "a", "knn_lambda": 1.0},
-        {"knn_datastore": "b", "knn_lambda": 1.0},
-        {"knn": False},
-        {"knn_datastore": "a3", "knn_lambda": 0.5, "knn_k": 2},
-        {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.02},
-        {"knn_datastore": "a3", "knn_lambda": 0.9, "knn_pointers": 1},
-        {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.0},  # every row skipped after its search began
-    ]
+    requests = [*MIXED_REQUESTS, {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.0}]  # + every row skipped
     expected = [complete(knn_server, prompt, **x) for x in requests]
     expected_echo = prompt_logprobs(knn_server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)
     work = tmp_path_factory.mktemp("overlap")
