@@ -114,7 +114,8 @@ def _fit_pointers(searchers, starts, keys, ids, distances, targets, continues, l
         return served_with_skips(log_p_lm, served_log_prob(log_p_lm, d, match, fit), top_log_p, threshold)
 
     reference = served(distances, ids)
-    curve = pointer_curve(ids, distances, targets, continues, values, lookup, starts, served, tune, skipped)
+    k = fit["k"]  # the server keeps the served k neighbours a step: only their successors are candidates
+    curve = pointer_curve(ids[:, :k], distances[:, :k], targets, continues, values, lookup, starts, served, tune, skipped)
     return fit_pointers(curve, perplexity(reference[tune]), perplexity(reference[~tune]), tolerance)
 
 

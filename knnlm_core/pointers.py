@@ -39,7 +39,8 @@ def replay(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pointer following over a scored text, teacher-forced: position t's token is targets[t].
 
-    `search_ids` / `search_distances` [T, k] are every position's own search; `continues[t]` says
+    `search_ids` / `search_distances` [T, k] are every position's own search, k the served k (the
+    server keeps that many neighbours a step, so only their successors are candidates); `continues[t]` says
     position t directly follows t − 1 in the same document; `values` [entries] are the datastore's;
     `lookup(t, candidates)` scores candidate entries against position t's query, as the server
     does: (distances, ids) [k], nearest first, padded. Positions `skipped` by adaptive retrieval
@@ -55,7 +56,10 @@ def replay(
         previous = ids[t - 1][ids[t - 1] >= 0]
         candidates = successors(previous, values[previous], int(targets[t - 1]), document_starts)
         if len(candidates) >= max(min_pointers, 1):
-            distances[t], ids[t] = lookup(t, candidates)
+            d, i = lookup(t, candidates)
+            width = min(len(d), ids.shape[1])
+            distances[t], ids[t] = np.inf, -1
+            distances[t, :width], ids[t, :width] = d[:width], i[:width]
             followed[t] = True
     return distances, ids, followed
 

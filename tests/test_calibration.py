@@ -66,6 +66,7 @@ def test_the_build_holds_a_slice_out_and_stores_its_fit(datastores, corpus, tiny
     pointers = cal.pointers  # and the pointer rule, after the skip rule
     assert pointers is not None and pointers.full_ppl == pytest.approx(skip.ppl, rel=1e-6)
     assert (pointers.min_pointers == 0) == (pointers.saved == 0) and pointers.tolerance == skip.tolerance
+    assert pointers.min_pointers <= cal.k  # a step keeps k neighbours: more pointers than that never survive
     curve = cal.k_curve  # the served k is the cheapest within the tolerance of the best k
     assert curve is not None and [p.k for p in curve.ks] == sorted(p.k for p in curve.ks) and cal.k in [p.k for p in curve.ks]
     best = min(p.tune_ppl for p in curve.ks)

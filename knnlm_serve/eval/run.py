@@ -198,8 +198,8 @@ def _pointer_curve(replayer: PointerReplay, distances, ids, setting: dict, log_p
         log_p_knn = knn_log_prob(d, replayer.matches(i), setting["k"], setting["temperature"])
         return mixture_log_prob(log_p_lm, log_p_knn, setting["lambda"], np.isfinite(d[:, 0]))
 
-    r = replayer
-    curve = pointer_curve(ids, distances, r.text.targets, r.continues, r.values, r.lookup, r.starts, served, tune)
+    r, k = replayer, setting["k"]  # the server keeps k neighbours a step: only their successors are candidates
+    curve = pointer_curve(ids[:, :k], distances[:, :k], r.text.targets, r.continues, r.values, r.lookup, r.starts, served, tune)
     return {"full_ppl": perplexity(log_p_full[~tune]), "curve": curve}
 
 
@@ -221,7 +221,7 @@ def _served_defaults(
     followed = np.zeros(len(distances), dtype=bool)
     served = every_search
     if replayer is not None and d.min_pointers:
-        used_d, used_ids, followed = replayer(ids, distances, d.min_pointers, skipped)
+        used_d, used_ids, followed = replayer(ids[:, :k], distances[:, :k], d.min_pointers, skipped)
         served = mixture(used_d, replayer.matches(used_ids))
     mix = served_with_skips(log_p_lm, served, top_log_p, d.skip_threshold)
     report = perplexity(mix[~tune])
