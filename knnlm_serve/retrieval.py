@@ -1,11 +1,12 @@
 """Batched top-k search over a datastore version's shards: Ray actors (one per shard) or in-process.
 
-Both backends answer `search(info, queries, k, nprobe, pointers)` with the global top-k merged
-from every shard's top-k by distance; rows with pointers (pointer following) are scored against
-those entries instead of searched, in the same call. A shard that fails or misses the deadline is left out (policy
+Both backends answer `search(info, queries, k, nprobe, pointers)`, or `start` then `result` (the
+shards search while the caller goes on), with the global top-k merged from every shard's top-k by
+distance; rows with pointers (pointer following) are scored against those entries instead of
+searched, in the same call. A shard that fails or misses the deadline is left out (policy
 `partial`) or fails the whole search (policy `lm_only`); either way the caller learns why.
-The Ray backend reaches each shard actor through a Ray Compiled Graph, with plain actor calls
-while a graph is being built or after it failed (see `RayRetriever`).
+The Ray backend reaches each shard actor with plain actor calls, or with `knn.compiled_graphs`
+through a Ray Compiled Graph (plain calls while one is built or after it failed; see `RayRetriever`).
 """
 
 from __future__ import annotations
@@ -132,26 +133,25 @@ class ShardActor:
     def search(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None = None):
         return _timed(self.searcher.find, queries, k, nprobe, pointers)
 
-    def keep_off(self, model_cpus: dict[str, list[int]]) -> list[int]:
+    def keep_off(self, model_cpus: dict[str, list[int]]) -> None:
         """Run on this host's CPUs that no vLLM worker is bound to (`model_cpus`: host -> CPUs).
 
         vLLM's CPU worker binds its OpenMP threads to cores and leaves the rest to the other
         processes; a search thread on a model core takes that core from the model and waits at its
         own thread barrier for it. Where every CPU is the model's (or none is bound, as on GPU
-        hosts) nothing changes. Returns the CPUs the actor runs on."""
+        hosts) nothing changes; `describe` shows where it runs."""
         import faiss
         import torch
 
         cpus = sorted(set(self._allowed) - set(model_cpus.get(socket.gethostname(), [])))
         if not cpus or cpus == sorted(os.sched_getaffinity(0)):
-            return sorted(os.sched_getaffinity(0))
+            return
         for thread in os.listdir("/proc/self/task"):  # every thread: the OpenMP pool exists already
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(thread), cpus)
         faiss.omp_set_num_threads(self.threads or len(cpus))
         torch.set_num_threads(self.threads or len(cpus))
         logger.info("shard %s: searching on CPUs %s, off the model's", self.searcher.name, cpus)
-        return cpus
 
 
 def actor_name(info: DatastoreInfo, shard: str, replica: int = 0) -> str:
