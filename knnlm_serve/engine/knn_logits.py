@@ -109,17 +109,14 @@ class KnnLogits:
                 evidence.skipped(group, info)
             searched = self.mixer.rows_to_search(logits, group, [params[r] for r in group], info.name)
             if key in plan.started:  # begun mid-forward: collected even if every row was skipped
-                keep = [group.index(r) for r in searched]
-                found = self.step.on_first_rank(self.mixer.finish, plan.started[key], keep)
-            elif searched:
-                keys = self.capture.keys(
-                    info.key_type, torch.as_tensor(rows.token_index[searched], device=hidden_states.device), hidden_states[searched]
-                )
-                found = self.step.on_first_rank(self._search, plan, searched, info, keys)
-            else:
-                continue
+                kept = set(searched)
+                found = self.step.on_first_rank(self.mixer.finish, plan.started[key], [i for i, r in enumerate(group) if r in kept])
             if not searched:
                 continue
+            if key not in plan.started:
+                token_index = torch.as_tensor(rows.token_index[searched], device=hidden_states.device)
+                keys = self.capture.keys(info.key_type, token_index, hidden_states[searched])
+                found = self.step.on_first_rank(self._search, plan, searched, info, keys)
             if evidence:
                 evidence.found(searched, info, found)
             if found is None:

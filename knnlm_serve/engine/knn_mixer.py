@@ -73,7 +73,9 @@ class KnnMixer:
         metrics.SKIPPED_ROWS.labels(datastore).inc(len(rows) - len(kept))
         return kept
 
-    def start(self, info: DatastoreInfo, keys: np.ndarray, params: list[KnnParams], runtime: Runtime, candidates: list[np.ndarray | None]):
+    def start(
+        self, info: DatastoreInfo, keys: np.ndarray, params: list[KnnParams], runtime: Runtime, candidates: list[np.ndarray | None]
+    ) -> PendingRows:
         """Send the rows' search to the shards; `finish` collects it. A row with at least its
         `min_pointers` candidates (pointer following) is scored against those entries only; the
         others are searched."""
