@@ -1,14 +1,16 @@
 """The kNN-LM distribution: p = λ·p_kNN + (1−λ)·p_LM, in torch for serving and NumPy for evaluation.
 
-The server mixes whole logits rows (`interpolate`, fp32 log space); the evaluator scores targets
-only (`knn_log_prob`, `mixture_log_prob`, fp64). Both use the same λ rule (`adaptive_lambda`).
+The server mixes whole rows of LM log-probabilities in place (`interpolate`, fp32); the
+evaluator scores targets only (`knn_log_prob`, `mixture_log_prob`, fp64). Both use the same λ rule
+(`adaptive_lambda`).
 
 p_kNN(v) = Σ_{j: token_j = v} softmax_j(−d_j / τ) over the k retrieved neighbours. Padding
 neighbours (distance +inf, token −1) get zero weight; a row with no neighbour keeps p_LM.
 
-p_kNN is non-zero on at most k tokens, so the mix touches the whole vocabulary only twice (the
-LM's log-softmax plus log(1−λ)) and fixes up the k neighbour tokens sparsely: this runs in every
-decode step, and full-vocabulary passes are its cost.
+p_kNN is non-zero on at most k tokens, so the mix adds log(1−λ) to the LM's log-probabilities in
+place and fixes up the k neighbour tokens sparsely: this runs in every decode step, and
+full-vocabulary passes (and fresh full-vocabulary tensors) are its cost. The LM's log-softmax is the
+caller's, computed once per row for the skip rule and the mix together.
 """
 
 from __future__ import annotations
@@ -23,25 +25,19 @@ def adaptive_lambda(d_nearest: np.ndarray, lambda_max: float, slope: float, cent
     return lambda_max / (1.0 + np.exp(-slope * (center - d_nearest)))
 
 
-def lm_top_prob(logits: torch.Tensor) -> torch.Tensor:
-    """p_LM of each row's top token, exp(max − logsumexp): the confidence adaptive retrieval skips on."""
-    logits = logits.float()
-    return (logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1)).exp()
-
-
 def interpolate(
-    lm_logits: torch.Tensor, distances: torch.Tensor, tokens: torch.Tensor, lambda_: torch.Tensor, temperature: torch.Tensor
+    lm_log_probs: torch.Tensor, distances: torch.Tensor, tokens: torch.Tensor, lambda_: torch.Tensor, temperature: torch.Tensor
 ) -> torch.Tensor:
-    """log(λ·p_kNN + (1−λ)·p_LM) per row, fp32 [n, vocab]."""
+    """log(λ·p_kNN + (1−λ)·p_LM) per row, written over `lm_log_probs` (fp32 [n, vocab], log p_LM) and returned."""
     valid = tokens >= 0
     scores = torch.where(valid, -distances.float() / temperature.float()[:, None], -torch.inf)
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-padding rows: zeros, not NaN
     lam = torch.where(valid.any(dim=1), lambda_.float(), 0.0)[:, None]
     # Padding slots point at the row's first neighbour token: every write to a token carries the same value.
     index = torch.where(valid, tokens, tokens[:, :1].clamp(min=0)).long()
-    p_knn = torch.zeros(lm_logits.shape, dtype=torch.float32, device=lm_logits.device)
+    p_knn = torch.zeros(lm_log_probs.shape, dtype=torch.float32, device=lm_log_probs.device)
     p_at_neighbours = p_knn.scatter_add_(1, index, weights).gather(1, index)  # duplicates summed
-    mixed = torch.log_softmax(lm_logits.float(), dim=-1).add_(torch.log1p(-lam))
+    mixed = lm_log_probs.add_(torch.log1p(-lam))
     return mixed.scatter_(1, index, torch.logaddexp(lam.log() + p_at_neighbours.log(), mixed.gather(1, index)))
 
 

@@ -39,7 +39,8 @@ def test_mixture_matches_numpy_with_duplicates_and_padding():
     distances[2, :], tokens[2, :] = np.inf, -1  # nothing retrieved at all
     lam = np.array([0.25, 0.5, 0.9, 0.0, 1.0, 0.75], dtype=np.float32)
     tau = np.array([1.0, 3.0, 0.5, 1.0, 2.0, 10.0], dtype=np.float32)
-    got = interpolate(*(torch.from_numpy(x) for x in (lm, distances, tokens, lam, tau))).numpy()
+    log_p_lm = torch.log_softmax(torch.from_numpy(lm), dim=-1)
+    got = interpolate(log_p_lm, *(torch.from_numpy(x) for x in (distances, tokens, lam, tau))).numpy()
     expected = reference(lm, distances, tokens, lam, tau)
     finite = np.isfinite(expected)
     assert np.array_equal(finite, np.isfinite(got))  # λ = 1 leaves unseen tokens at probability 0

@@ -107,10 +107,11 @@ class KnnLogits:
             info = plan.versions[key]
             if evidence:
                 evidence.skipped(group, info)
-            searched = self.mixer.rows_to_search(logits, group, [params[r] for r in group], info.name)
+            lm = self.mixer.lm_log_probs(logits, group)
+            kept = self.mixer.rows_to_search(lm, [params[r] for r in group], info.name)
+            searched = [group[i] for i in kept]
             if key in plan.started:  # begun mid-forward: collected even if every row was skipped
-                kept = set(searched)
-                found = self.step.on_first_rank(self.mixer.finish, plan.started[key], [i for i, r in enumerate(group) if r in kept])
+                found = self.step.on_first_rank(self.mixer.finish, plan.started[key], kept)
             if not searched:
                 continue
             if key not in plan.started:
@@ -121,7 +122,7 @@ class KnnLogits:
                 evidence.found(searched, info, found)
             if found is None:
                 continue
-            self.mixer.mix(logits, searched, found, info.name)
+            self.mixer.mix(logits, searched, lm if len(kept) == len(group) else lm[kept], found, info.name)
             if rows.sampling:
                 for i, r in enumerate(searched):
                     requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))

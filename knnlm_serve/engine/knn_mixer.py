@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from knnlm_core.datastore import load_document_starts, read_manifest
-from knnlm_core.mixture import adaptive_lambda, interpolate, lm_top_prob
+from knnlm_core.mixture import adaptive_lambda, interpolate
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KnnParams
 from knnlm_serve.retrieval import RetrievalError
@@ -63,14 +63,22 @@ class KnnMixer:
         self._document_starts = {key: v for key, v in self._document_starts.items() if key in keep}
 
     @staticmethod
-    def rows_to_search(logits: torch.Tensor, rows: list[int], params: list[KnnParams], datastore: str) -> list[int]:
-        """`rows` without those whose LM top probability exceeds their skip threshold: these keep p_LM."""
+    def lm_log_probs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """log p_LM of `rows` (fp32 [len(rows), vocab]): computed once a group, for the skip rule and the mix."""
+        if rows != list(range(len(logits))):
+            logits = logits[torch.as_tensor(rows, device=logits.device)]
+        return torch.log_softmax(logits, dim=-1)
+
+    @staticmethod
+    def rows_to_search(lm_log_probs: torch.Tensor, params: list[KnnParams], datastore: str) -> list[int]:
+        """Positions of the rows whose LM top probability does not exceed their skip threshold; the
+        others keep p_LM (adaptive retrieval)."""
         thresholds = torch.tensor([p.skip_threshold for p in params])
         if bool((thresholds >= 1).all()):
-            return rows
-        top = lm_top_prob(logits[torch.as_tensor(rows, device=logits.device)]).cpu()
-        kept = [row for row, skip in zip(rows, (top > thresholds).tolist()) if not skip]
-        metrics.SKIPPED_ROWS.labels(datastore).inc(len(rows) - len(kept))
+            return list(range(len(params)))
+        top = lm_log_probs.amax(dim=-1).exp().cpu()  # amax, not max: no argmax wanted
+        kept = (top <= thresholds).nonzero().flatten().tolist()
+        metrics.SKIPPED_ROWS.labels(datastore).inc(len(params) - len(kept))
         return kept
 
     def start(
@@ -149,13 +157,12 @@ class KnnMixer:
         )
 
     @staticmethod
-    def mix(logits: torch.Tensor, rows: list[int], found: Neighbours, datastore: str) -> None:
-        """Replace `logits[rows]` (fp32) by log(λ·p_kNN + (1−λ)·p_LM), in place."""
+    def mix(logits: torch.Tensor, rows: list[int], lm_log_probs: torch.Tensor, found: Neighbours, datastore: str) -> None:
+        """Replace `logits[rows]` by log(λ·p_kNN + (1−λ)·p_LM), given those rows' log p_LM (overwritten)."""
         start = time.perf_counter()
         device = logits.device
-        index = torch.as_tensor(rows, device=device)
-        logits[index] = interpolate(
-            logits[index],
+        logits[torch.as_tensor(rows, device=device)] = interpolate(
+            lm_log_probs,
             torch.from_numpy(found.distances).to(device),
             torch.from_numpy(found.tokens).to(device),
             torch.from_numpy(found.lambdas).to(device),
