@@ -4,8 +4,9 @@
 `knnlm-index build` calibrates on the slice it held out of the corpus (knnlm_core.calibration
 .split_heldout); `knnlm-index calibrate` on the user's own text, or again on the build's slice
 (re-derived from the corpus the manifest names, e.g. after an upgrade that fits more), keeping the
-old calibration in the manifest's history. Either way the search is the one the server runs: the index as built, at
-the manifest's nprobe. The shards are never touched; the manifest is replaced atomically.
+old calibration in the manifest's history. Either way the search is the one the server runs: the
+index as built, at an nprobe halved from the build's while the perplexity holds (the served
+nprobe). The shards are never touched; the manifest is replaced atomically.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from knnlm_core.calibration import (
     fit_calibration,
     fit_pointers,
     fitting_half,
+    narrowest_nprobe,
     perplexity,
     pointer_curve,
     served_log_prob,
@@ -62,9 +64,19 @@ def calibrate_on(
     targets = window_values(tokens, plan)
     searchers = open_shards(root, manifest)
     shards = [(s.index, s.values, None, s.first_id) for s in searchers]
-    distances, found, ids = search_many(shards, keys, max(SweepGrid().ks), manifest.index.nprobe)
     grid = SweepGrid(skip_tolerance=config.skip_tolerance, k_tolerance=config.k_tolerance)
-    fit = fit_calibration(log_p_lm, top_log_p, distances, found == targets[:, None], grid)
+
+    def fit_at(nprobe: int | None) -> tuple[dict, np.ndarray, np.ndarray]:
+        distances, found, ids = search_many(shards, keys, max(grid.ks), nprobe, progress=progress, desc=f"search nprobe={nprobe}")
+        return fit_calibration(log_p_lm, top_log_p, distances, found == targets[:, None], grid), distances, ids
+
+    nprobe, nprobe_curve = manifest.index.nprobe, None
+    if nprobe is None:  # not IVF: one search breadth
+        fit, distances, ids = fit_at(None)
+    else:
+        nprobe, (fit, distances, ids), points = narrowest_nprobe(nprobe, config.nprobe_tolerance, fit_at)
+        nprobe_curve = {"tolerance": config.nprobe_tolerance, "nprobes": points}
+        logger.info("nprobe %d of the build's %d: %s", nprobe, manifest.index.nprobe, points)
     starts = load_document_starts(root, manifest)
     if starts is not None:
         positions = np.concatenate([np.arange(k0, k1) for _, k0, k1 in plan.windows])
@@ -72,7 +84,11 @@ def calibrate_on(
             searchers, starts, keys, ids, distances, targets, consecutive(positions), log_p_lm, top_log_p, fit, config.skip_tolerance
         )
     calibration = Calibration(
-        **fit, heldout=heldout, nprobe=manifest.index.nprobe, created=datetime.now(timezone.utc).isoformat(timespec="seconds")
+        **fit,
+        heldout=heldout,
+        nprobe=nprobe,
+        nprobe_curve=nprobe_curve,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
     logger.info(
         "calibration on %s held-out tokens: λ %.2f, τ %g, k %d, serving %s λ; ppl base %.3f -> kNN %.3f (adaptive %.3f); "

@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     calibrate.add_argument(
         "--k-tolerance", type=float, default=BuildConfig().k_tolerance, help=BuildConfig.model_fields["k_tolerance"].description
     )
+    calibrate.add_argument(
+        "--nprobe-tolerance",
+        type=float,
+        default=BuildConfig().nprobe_tolerance,
+        help=BuildConfig.model_fields["nprobe_tolerance"].description,
+    )
     calibrate.add_argument("--quiet", action="store_true", help="no progress bars")
 
     inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
                     text_field=args.text_field,
                     skip_tolerance=args.skip_tolerance,
                     k_tolerance=args.k_tolerance,
+                    nprobe_tolerance=args.nprobe_tolerance,
                     dtype=built.model.dtype,
                 )
             except ValidationError as e:

@@ -80,6 +80,36 @@ def cheapest_k(swept: dict, tolerance: float) -> dict:
     return {**chosen, "curve": [{key: c[key] for key in ("k", "tune_ppl", "report_ppl")} for c in curve]}
 
 
+def narrowest_nprobe(widest: int, tolerance: float, fit_at) -> tuple[int, tuple, list[dict]]:
+    """Halve an IVF search's nprobe from `widest` while the calibration fitted at it stays within
+    `tolerance` (a share) of the best fitting-half perplexity so far. `fit_at(nprobe)` searches and
+    fits, returning (fit, *its arrays). Returns the narrowest nprobe that stayed within, what
+    `fit_at` returned for it, and the curve of every nprobe tried.
+
+    An IVF-PQ search's cost is mostly the codes it scans, linear in nprobe: at batch 32 over the
+    118k IVF1024,PQ64 WikiText-2 store, 12 ms at nprobe 32 against 5.5 at 8 on this CPU; approximate
+    search often loses nothing measurable at a fraction of the build's default breadth."""
+    chosen, fitted = widest, fit_at(widest)
+    curve = [{"nprobe": widest, **_best_point(fitted[0])}]
+    best = curve[0]["tune_ppl"]
+    nprobe = widest // 2
+    while nprobe >= 1:
+        narrower = fit_at(nprobe)
+        curve.append({"nprobe": nprobe, **_best_point(narrower[0])})
+        if curve[-1]["tune_ppl"] > best * (1 + tolerance):
+            break
+        best = min(best, curve[-1]["tune_ppl"])
+        chosen, fitted = nprobe, narrower
+        nprobe //= 2
+    return chosen, fitted, curve
+
+
+def _best_point(fit: dict) -> dict:
+    """A fit's lowest fitting-half perplexity over (k, τ, λ), and that setting's on the judged half."""
+    point = min(fit["k_curve"]["ks"], key=lambda p: p["tune_ppl"])
+    return {"tune_ppl": point["tune_ppl"], "report_ppl": point["report_ppl"]}
+
+
 def fit_adaptive_lambda(log_p_lm, log_p_knn, d_nearest, tune, config: SweepGrid) -> dict:
     """Grid search of (λ_max, slope, center) on the tuning part (after Drozdov et al., 2022)."""
     has = np.isfinite(d_nearest)

@@ -43,6 +43,12 @@ class BuildConfig(_Strict):
     k_tolerance: float = Field(
         0.0025, ge=0, description="calibration: share of perplexity a smaller (cheaper) k may cost against the best k on the fitting half"
     )
+    nprobe_tolerance: float = Field(
+        0.0025,
+        ge=0,
+        description="calibration, IVF indexes: share of perplexity probing fewer (cheaper) lists may cost against the build's nprobe "
+        "on the fitting half",
+    )
     text_field: str = Field("text", description="field holding the text in .jsonl inputs")
     on_bad_utf8: Literal["skip", "error"] = Field("skip", description="files that are not UTF-8: skip with a warning, or fail")
     seed: int = 0
@@ -106,7 +112,7 @@ class KnnConfig(_Strict):
         description="decode steps score the last step's neighbours' successors instead of searching when this many survive, "
         "without a calibration; 0 = off",
     )
-    nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's manifest")
+    nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's calibrated nprobe, else its build's")
     backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one")
     ray_namespace: str = "knnlm"

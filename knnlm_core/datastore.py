@@ -112,6 +112,20 @@ class KCurve(_Record):
     ks: list[KPoint]
 
 
+class NprobePoint(_Record):
+    nprobe: int
+    tune_ppl: float  # best over (k, τ, λ) searching this many IVF lists, on the fitting half,
+    report_ppl: float  # and that setting on the judged half
+
+
+class NprobeCurve(_Record):
+    """Perplexity against IVF lists probed: the served nprobe is the smallest within `tolerance` of
+    the build's nprobe on the fitting half (fewer lists, fewer codes scanned a query)."""
+
+    tolerance: float
+    nprobes: list[NprobePoint]
+
+
 class PointerRule(_Record):
     """Pointer following: a decode step follows the last step's neighbours when at least
     `min_pointers` successors survive (0: off). Fitted, after the skip rule, to cost at most
@@ -142,7 +156,8 @@ class Calibration(_Record):
     skip: SkipRule | None = None  # None: calibrated before adaptive retrieval existed (never skips)
     pointers: PointerRule | None = None  # None: no document boundaries, or calibrated before pointers existed
     heldout: str  # what the held-out text was
-    nprobe: int | None
+    nprobe: int | None  # IVF lists the fit searched, served by default (see served_nprobe)
+    nprobe_curve: NprobeCurve | None = None  # None: not IVF, or calibrated before nprobe was chosen (the build's was served)
     created: str
 
 
@@ -168,6 +183,12 @@ class Manifest(_Record):
     def files(self) -> list[FileEntry]:
         """Every data file the manifest lists, with its size and checksum."""
         return [f for s in self.shards for f in shard_files(s)] + [f for f in (self.documents, self.provenance) if f is not None]
+
+
+def served_nprobe(manifest: Manifest) -> int | None:
+    """IVF lists a search probes by default: the calibration's choice, else the build's."""
+    calibration = manifest.calibration
+    return calibration.nprobe if calibration is not None and calibration.nprobe else manifest.index.nprobe
 
 
 def read_manifest(path: str | os.PathLike) -> Manifest:

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from knnlm_core.config import AdaptiveLambda, KeyType, KnnConfig
-from knnlm_core.datastore import Calibration, Manifest, check_compatible, read_manifest
+from knnlm_core.datastore import Calibration, Manifest, check_compatible, read_manifest, served_nprobe
 from knnlm_core.errors import DatastoreError
 from knnlm_core.keys import no_ffn_input_error, supports_ffn_input
 from knnlm_core.model_dir import architecture_of, hidden_size_of, model_fingerprint
@@ -99,7 +99,7 @@ class DatastoreInfo(BaseModel):
             name=name,
             path=str(path),
             key_type=manifest.key_type,
-            nprobe=manifest.index.nprobe,
+            nprobe=served_nprobe(manifest),
             entries=manifest.entries,
             shards=[s.name for s in manifest.shards],
             index=manifest.index.factory,

@@ -17,7 +17,7 @@ from conftest import TINY_SERVER, prompt_logprobs
 
 from index_builder.build import build_datastore
 from index_builder.default_datastore import stdlib_documents
-from knnlm_core.calibration import cheapest_k, fit_skip, perplexity, split_heldout
+from knnlm_core.calibration import cheapest_k, fit_skip, narrowest_nprobe, perplexity, split_heldout
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import MANIFEST, read_manifest, write_manifest
 from knnlm_core.errors import CorpusError
@@ -92,6 +92,32 @@ def test_the_cheapest_k_within_the_tolerance_is_served():
     assert chosen["tune_ppl"] == 10.02 and chosen["report_ppl"] == 11.02
     assert cheapest_k(swept, 0.05)["k"] == 16
     assert [p["k"] for p in chosen["curve"]] == ks and [p["tune_ppl"] for p in chosen["curve"]] == [best_at_k[k] for k in ks]
+
+
+def test_nprobe_is_halved_while_the_perplexity_holds():
+    def fit_at(ppl_at: dict):
+        searched = []
+
+        def fit(nprobe):
+            searched.append(nprobe)
+            return {
+                "k_curve": {
+                    "ks": [
+                        {"k": 64, "tune_ppl": ppl_at[nprobe] + 0.5, "report_ppl": 0},
+                        {"k": 128, "tune_ppl": ppl_at[nprobe], "report_ppl": ppl_at[nprobe] + 1},
+                    ]
+                }
+            }, f"arrays at {nprobe}"
+
+        return fit, searched
+
+    # 16 and 8 lists lose under 0.25% against 32; 4 loses 5%: serve 8, and stop searching at 4.
+    fit, searched = fit_at({32: 10.0, 16: 10.01, 8: 10.02, 4: 10.5, 2: 10.0})
+    nprobe, (chosen, arrays), curve = narrowest_nprobe(32, 0.0025, fit)
+    assert nprobe == 8 and arrays == "arrays at 8" and searched == [32, 16, 8, 4]
+    assert curve == [{"nprobe": n, "tune_ppl": p, "report_ppl": p + 1} for n, p in ((32, 10.0), (16, 10.01), (8, 10.02), (4, 10.5))]
+    assert narrowest_nprobe(32, 0.0, fit_at({32: 10.0, 16: 10.01})[0])[0] == 32  # no tolerance: the build's breadth
+    assert narrowest_nprobe(4, 0.0025, fit_at({4: 10.0, 2: 10.0, 1: 9.99})[0])[0] == 1  # down to one list if nothing is lost
 
 
 def test_the_skip_rule_skips_where_the_lm_alone_is_as_good():

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from index_builder.build import build_datastore
+from index_builder.calibrate import recalibrate
 from index_builder.verify import verify_datastore
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import load_document_starts, read_manifest
 from knnlm_core.errors import DatastoreError
 from knnlm_core.search import merge_topk, open_shards
 from knnlm_core.windows import plan_windows
+from knnlm_serve.runtime import DatastoreInfo
 
 STDLIB_MODULES = ("json", "textwrap", "argparse", "heapq", "bisect", "shlex")
 
@@ -129,6 +131,14 @@ def test_ivfpq_build_trains_once_and_searches(corpus, tiny_model_dir, tmp_path):
     assert manifest.index.factory.startswith("IVF") and "PQ" in manifest.index.factory
     assert manifest.index.train_size == manifest.entries
     assert verify_datastore(tmp_path / "ds", samples=200)["value_at_1"] > 0.8
+    # Calibration probes fewer IVF lists where the perplexity holds, and the server searches at that nprobe.
+    manifest = recalibrate(tmp_path / "ds", [corpus], tiny_model_dir, config, progress=False)
+    cal = manifest.calibration
+    tried = [p.nprobe for p in cal.nprobe_curve.nprobes]
+    assert tried[0] == manifest.index.nprobe and tried == sorted(tried, reverse=True) and cal.nprobe in tried
+    best = min(p.tune_ppl for p in cal.nprobe_curve.nprobes if p.nprobe >= cal.nprobe)
+    assert all(p.tune_ppl <= best * (1 + cal.nprobe_curve.tolerance) for p in cal.nprobe_curve.nprobes if p.nprobe >= cal.nprobe)
+    assert DatastoreInfo.of("ds", tmp_path / "ds", manifest).nprobe == cal.nprobe
 
 
 def test_an_ivfpq_store_with_an_hnsw_coarse_quantizer_serves(corpus, tiny_model_dir, tmp_path):

@@ -87,7 +87,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     log_p_knn = knn_log_prob(distances, match, best["k"], best["temperature"])
     adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, config)
 
-    # The served setting: the first datastore as built (manifest nprobe), at its own best (k, τ, λ),
+    # The served setting: the first datastore at its served nprobe, at its own best (k, τ, λ),
     # with searches skipped where the LM is confident (the skip rule fitted to that setting).
     served, sb = variants[0], results[0]["best"]
     sd, sm = neighbours[served]

@@ -15,7 +15,7 @@ import faiss
 import numpy as np
 
 from knnlm_core.config import EvalConfig, KeyType, KnnConfig
-from knnlm_core.datastore import Manifest
+from knnlm_core.datastore import Manifest, served_nprobe
 from knnlm_core.keys import KeyEncoder, encode_windows
 from knnlm_core.search import open_shards, search_many
 from knnlm_serve.eval.text import EvalError, EvalText
@@ -106,16 +106,16 @@ class Variant:
 def plan_variants(manifests: dict[str, Manifest], config: EvalConfig) -> list[Variant]:
     variants = []
     for n, (name, m) in enumerate(manifests.items()):
-        is_ivf = m.index.nprobe is not None
-        # The manifest's nprobe first: variant 0 is what the vLLM engine serves.
-        probes = [m.index.nprobe, *sorted(set(config.nprobes) - {m.index.nprobe})] if is_ivf else [None]
+        served = served_nprobe(m)
+        # The served nprobe first: variant 0 is what the vLLM engine serves; the build's is searched too.
+        probes = [served, *sorted({*config.nprobes, m.index.nprobe} - {served})] if served is not None else [None]
         variants += [Variant(name, m.key_type, m.index.factory, p) for p in probes]
         if config.exact and m.index.factory != "Flat":
             if any(s.keys is None for s in m.shards):
                 raise EvalError(f"--exact needs the stored keys of datastore {name!r}; rebuild it with --keep-keys")
             variants.append(Variant(name, m.key_type, "exact", None))
         if n == 0:
-            variants += [Variant(name, m.key_type, m.index.factory, m.index.nprobe, f) for f in config.fractions if f < 1]
+            variants += [Variant(name, m.key_type, m.index.factory, served, f) for f in config.fractions if f < 1]
     return variants
 
 
