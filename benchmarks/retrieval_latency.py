@@ -21,7 +21,8 @@ Ray's parallel shards beat the in-process sequential loop over shards); the repo
 `ray_overhead_p50_ms` lists it for both transports.
 
 Besides the end-to-end cells, batch 32 is broken down: per-shard FAISS search, `merge_topk`, and
-`knnlm_serve.interpolate.interpolate` over a 49,152-token vocabulary (torch, CPU).
+the mix as the server runs it (the LM's log-softmax, then `knnlm_core.mixture.interpolate`) over a
+49,152-token vocabulary (torch, CPU).
 
     .venv/bin/python benchmarks/retrieval_latency.py                       # 1M entries, ~10 min first run
     .venv/bin/python benchmarks/retrieval_latency.py --entries 200000 --batch-sizes 1 32 --repeats 20
@@ -464,7 +465,11 @@ def measure(args, record: dict, final: Path) -> dict:
         d_t, t_t = torch.from_numpy(distances), torch.from_numpy(tokens)
         logits = torch.randn(bb, VOCAB)
         lam, temp = torch.full((bb,), 0.25), torch.full((bb,), 1.0)
-        breakdown["interpolate"] = stats_ms(timed(interpolate, lambda: (logits, d_t, t_t, lam, temp), 3, reps), bb)
+
+        def mix(logits, *neighbours):  # interpolate overwrites the log-probabilities it is given
+            return interpolate(torch.log_softmax(logits, dim=-1), *neighbours)
+
+        breakdown["interpolate"] = stats_ms(timed(mix, lambda: (logits, d_t, t_t, lam, temp), 3, reps), bb)
         breakdown["interpolate"]["vocab"] = VOCAB
         log(
             f"breakdown batch {bb}: merge(4 shards) p50 {breakdown['shards4']['merge_topk']['p50_ms']:.2f} ms, "
