@@ -140,9 +140,10 @@ class KnnConfig(_Strict):
         "stop polling) and rebuilt at the next one, which plain calls serve meanwhile",
     )
     overlap: bool = Field(
-        False,
+        True,
         description="start a step's searches mid-forward, at the last layer's FFN input, so the shards search while the "
-        "last MLP, the final norm and the LM head run; rows the skip rule then drops are searched too",
+        "last MLP, the final norm and the LM head run; rows the skip rule then drops are searched too (false: search "
+        "only the rows the skip rule keeps, after the logits)",
     )
     replicas: int = Field(1, ge=1, description="actors per shard; a step asks one, another when it fails or is late (spread over nodes)")
     shard_resources: dict[str, float] = Field(

@@ -46,6 +46,7 @@ def knn_server(tiny_model_dir, tmp_path_factory):
         "lambda": 0.25,
         # λ ≈ 1 when the nearest key is (almost) the query itself, ≈ 0 far away
         "adaptive_lambda": {"b": {"lambda_max": 1.0, "slope": 1.0, "center": 20.0}},
+        "overlap": False,  # searches after the logits, only of the rows the skip rule keeps: the reference for overlap
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
         yield server
@@ -268,9 +269,10 @@ def test_invalid_xargs_are_a_400_naming_the_field(knn_server, xargs, field):
 
 
 def test_overlap_serves_what_is_served_without_it(knn_server, token_ids, tiny_model_dir, tmp_path_factory):
-    """knn.overlap starts each step's searches mid-forward, from the op in vLLM's compiled graph,
-    and applies the skip rule to their answers: the same tokens and logprobs, alone and batched,
-    and for prompt logprobs (searched after the forward pass as before)."""
+    """knn.overlap (the default) starts each step's searches mid-forward, from the op in vLLM's
+    compiled graph, and applies the skip rule to their answers: the same tokens and logprobs as
+    searching after the logits, alone and batched, and for prompt logprobs (searched after the
+    forward pass either way)."""
     prompt = token_ids["a"][: len(PREFIX.split()) + 2]
     requests = [*MIXED_REQUESTS, {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.0}]  # + every row skipped
     expected = [complete(knn_server, prompt, **x) for x in requests]
