@@ -58,7 +58,7 @@ class PendingSearch:
     args: tuple  # (queries, k, nprobe, pointers) as sent
     deadline: float  # time.monotonic() by which every shard must have answered
     orders: list[list[int]]  # per shard, its replicas in the order they are asked
-    calls: list[tuple]  # per shard, the first replica's call in flight
+    calls: list[tuple]  # per shard, the first replica's call in flight: (graph or None, ref, when sent)
 
 
 def _timed(method, *args):
@@ -102,15 +102,12 @@ class ShardActor:
     """A Ray actor holding one FAISS shard (GPU FAISS when the actor has a GPU)."""
 
     def __init__(self, root: str, shard_name: str, use_gpu: bool | None, threads: int | None, mmap: bool):
-        import faiss
-
         # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the search should use the node's cores.
-        import torch
-
         self.threads = threads
         self._allowed = sorted(os.sched_getaffinity(0))
-        faiss.omp_set_num_threads(threads or len(self._allowed))
-        torch.set_num_threads(threads or len(self._allowed))  # exact (flat) shards search with torch
+        self._search_threads = threads or len(self._allowed)
+        self._threads_set: set[int] = set()  # the threads that search with _search_threads
+        self._use_search_threads()
         manifest = read_manifest(root)
         ((shard, first),) = [(s, f) for s, f in zip(manifest.shards, shard_first_ids(manifest)) if s.name == shard_name]
         self.searcher = ShardSearcher(Path(root), shard, first, use_gpu, mmap)
@@ -131,7 +128,23 @@ class ShardActor:
         }
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None = None):
+        self._use_search_threads()
         return _timed(self.searcher.find, queries, k, nprobe, pointers)
+
+    def _use_search_threads(self) -> None:
+        """Give the calling thread `_search_threads` OpenMP threads (FAISS, and torch for flat shards).
+
+        OpenMP's thread count is per calling thread, and a thread that never set it starts at Ray's
+        OMP_NUM_THREADS=1: a compiled graph calls `search` from its own thread, where FAISS ran on
+        one core (2.6x slower at batch 32 here) until this was set there too."""
+        import faiss
+        import torch
+
+        thread = threading.get_ident()
+        if thread not in self._threads_set:
+            faiss.omp_set_num_threads(self._search_threads)
+            torch.set_num_threads(self._search_threads)  # exact (flat) shards search with torch
+            self._threads_set.add(thread)
 
     def keep_off(self, model_cpus: dict[str, list[int]]) -> None:
         """Run on this host's CPUs that no vLLM worker is bound to (`model_cpus`: host -> CPUs).
@@ -140,17 +153,14 @@ class ShardActor:
         processes; a search thread on a model core takes that core from the model and waits at its
         own thread barrier for it. Where every CPU is the model's (or none is bound, as on GPU
         hosts) nothing changes; `describe` shows where it runs."""
-        import faiss
-        import torch
-
         cpus = sorted(set(self._allowed) - set(model_cpus.get(socket.gethostname(), [])))
         if not cpus or cpus == sorted(os.sched_getaffinity(0)):
             return
         for thread in os.listdir("/proc/self/task"):  # every thread: the OpenMP pool exists already
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(int(thread), cpus)
-        faiss.omp_set_num_threads(self.threads or len(cpus))
-        torch.set_num_threads(self.threads or len(cpus))
+        self._search_threads, self._threads_set = self.threads or len(cpus), set()
+        self._use_search_threads()
         logger.info("shard %s: searching on CPUs %s, off the model's", self.searcher.name, cpus)
 
 
@@ -236,6 +246,7 @@ class RayRetriever:
         self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
         self._graphs: dict[tuple[str, int], dict[tuple[int, int], object]] = {}  # (shard, replica) -> graph or None
         self._suspect: dict[tuple[str, int, int, int], float] = {}  # (version, shard, replica) -> until when
+        self._row_seconds: dict[tuple[str, int, int, int], float] = {}  # (version, shard, replica) -> search s/row
         self._used: dict[tuple[str, int], float] = {}  # version -> its last search, or its last graph's arrival
         self._parker: threading.Thread | None = None
         self._parking: dict[tuple, threading.Thread] = {}  # (version, slot) -> its parked graph's teardown
@@ -289,10 +300,13 @@ class RayRetriever:
         for index, (shard, order) in enumerate(zip(info.shards, orders)):
             for attempt, replica in enumerate(order):
                 call = calls[index] if attempt == 0 else self._call(info.key, index, replica, actors, args)
-                share = max(0.0, deadline - time.monotonic()) / (len(order) - attempt)
-                answer, reason = self._wait(info.key, index, replica, call, share)
+                # At least READY_GRACE_S: an answer already in is taken even after an earlier shard
+                # used the whole deadline (a channel read with no time left can miss it).
+                share = max(READY_GRACE_S, deadline - time.monotonic()) / (len(order) - attempt)
+                answer, reason = self._wait(info.key, index, replica, call, share, len(args[0]))
                 if answer is not None:
                     *found[shard], seconds[shard] = answer
+                    self._note_search_time((*info.key, index, replica), seconds[shard], len(args[0]))
                     failed.pop(shard, None)
                     break
                 failed[shard] = reason
@@ -318,16 +332,25 @@ class RayRetriever:
         graph = self._graphs[key].get((index, replica))
         if _is_graph(graph):
             try:
-                return graph, graph.execute(*args)
+                return graph, graph.execute(*args), time.monotonic()
             except ray.exceptions.RayError:  # the graph was closed (its actor died): rebuild it, call plainly
                 self._drop(key, (index, replica), graph)
-        return None, actors[index][replica].search.remote(*args)
+        return None, actors[index][replica].search.remote(*args), time.monotonic()
 
-    def _wait(self, key: tuple[str, int], index: int, replica: int, call, timeout: float) -> tuple[tuple | None, str]:
+    def _wait(self, key: tuple[str, int], index: int, replica: int, call, timeout: float, rows: int) -> tuple[tuple | None, str]:
         """(the replica's answer, "") or (None, why not) after at most `timeout` seconds."""
         import ray
 
-        graph, ref = call
+        graph, ref, sent = call
+        if graph is not None:
+            # A graph's get() spins on a core until the answer is in; where the shard's search needs
+            # every core (this 2-core host) the spin slowed it 2.6x. So sleep through most of the
+            # search first: until DOZE_FRACTION of what this replica's last searches took per row.
+            per_row = self._row_seconds.get((*key, index, replica))
+            pause = 0.0 if per_row is None else min(DOZE_FRACTION * per_row * rows, timeout) - (time.monotonic() - sent)
+            if pause > 0:
+                time.sleep(pause)
+                timeout -= pause
         try:
             return (ref.get(timeout=timeout) if graph is not None else ray.get(ref, timeout=timeout)), ""
         except ray.exceptions.RayError as e:
@@ -339,6 +362,12 @@ class RayRetriever:
                 ray.cancel(ref)
             return None, "shard_timeout" if timed_out else "shard_error"
 
+    def _note_search_time(self, replica: tuple, seconds: float, rows: int) -> None:
+        """A moving average of a replica's own search seconds per query row (what `_wait` sleeps by)."""
+        last = self._row_seconds.get(replica)
+        per_row = seconds / max(rows, 1)
+        self._row_seconds[replica] = per_row if last is None else last + 0.3 * (per_row - last)
+
     def release(self, keep: set[tuple[str, int]]) -> None:
         with self._lock:
             gone = set(self._actors) - keep
@@ -347,6 +376,7 @@ class RayRetriever:
                 del self._actors[key]
                 self._used.pop(key, None)
             self._suspect = {s: until for s, until in self._suspect.items() if s[:2] in keep}
+            self._row_seconds = {r: t for r, t in self._row_seconds.items() if r[:2] in keep}
             self._parking = {s: teardown for s, teardown in self._parking.items() if s[0] in keep}
         if dropped:
             threading.Thread(target=_teardown, args=(dropped,), name="knnlm-graph-teardown", daemon=True).start()
@@ -447,6 +477,8 @@ PARKED = "parked"  # a slot whose graph was torn down for idleness (None: plain 
 SUSPECT_S = 30.0  # a replica that failed is asked last for this long
 GRAPH_START_TIMEOUT_S = 60.0  # a new graph's first execution starts the actor's loop: 1.5-4 s measured here
 GRAPH_RETRY_S = 5.0  # between attempts to build a shard's graph
+READY_GRACE_S = 0.02  # what a shard's answer is waited for once the step's deadline has passed
+DOZE_FRACTION = 0.75  # of a graph search's expected time that the caller sleeps before it spins on the answer
 
 
 def compile_shard_graph(actor, dim: int):
