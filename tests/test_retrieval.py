@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from index_builder.build import build_from_keys
 from knnlm_core.config import BuildConfig, KnnConfig
 from knnlm_core.datastore import ModelIdentity, read_manifest
-from knnlm_serve.retrieval import LocalRetriever, RayRetriever, RetrievalError, start_shard_actors
+from knnlm_serve.retrieval import LocalRetriever, RayRetriever, RetrievalError, ShardActor, start_shard_actors
 from knnlm_serve.runtime import DatastoreInfo
 
 DIM, K, TIMEOUT_S = 32, 64, 1.0
@@ -215,3 +216,27 @@ def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, grap
     finally:
         os.kill(pid, signal.SIGCONT)
         retriever.release(set())
+
+
+def test_any_thread_that_searches_a_shard_uses_the_shard_threads(stores):
+    """A compiled graph calls ShardActor.search from its own thread, and OpenMP's thread count is
+    per thread: FAISS ran there at Ray's OMP_NUM_THREADS=1 until the search set it in every thread."""
+    import faiss
+
+    info, _ = stores["two"]
+    fresh: dict[str, int] = {}
+    probe = threading.Thread(target=lambda: fresh.setdefault("threads", faiss.omp_get_max_threads()))
+    probe.start()
+    probe.join()
+    wanted = fresh["threads"] + 1  # not what a new thread starts with
+    shard = ShardActor(info.path, info.shards[0], False, wanted, False)
+    seen: dict[str, int] = {}
+
+    def search_from_a_new_thread() -> None:
+        shard.search(queries(), K, None)
+        seen["threads"] = faiss.omp_get_max_threads()
+
+    worker = threading.Thread(target=search_from_a_new_thread)
+    worker.start()
+    worker.join()
+    assert seen["threads"] == wanted
