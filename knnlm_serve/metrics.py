@@ -27,6 +27,11 @@ INTERPOLATION_SECONDS = Histogram(
 SHARD_SEARCH_SECONDS = Histogram(
     "knnlm_shard_search_seconds", "search time inside one shard", ["datastore", "shard"], buckets=_LATENCY_BUCKETS
 )
+SHARD_ANSWERS = Counter(
+    "knnlm_shard_answers",
+    "shard answers by transport: graph (Ray Compiled Graph), call (plain actor call), local (in-process)",
+    ["datastore", "shard", "transport"],
+)
 SLOWEST_SHARD_SECONDS = Histogram(
     "knnlm_slowest_shard_search_seconds",
     "per step, the search time of the slowest shard (the fan-out waits for it)",

@@ -48,6 +48,7 @@ class SearchResult:
     ids: np.ndarray  # global entry ids
     shard_seconds: dict[str, float]
     failed_shards: dict[str, str] = field(default_factory=dict)  # shard -> reason
+    transports: dict[str, str] = field(default_factory=dict)  # shard -> "graph" (compiled), "call" or "local"
 
 
 @dataclass
@@ -85,7 +86,7 @@ class LocalRetriever:
             self._shards[info.key] = _shard_searchers(info, self.gpu, self.mmap)
         answers = {s.name: _timed(s.find, queries, k, nprobe, pointers) for s in self._shards[info.key]}
         distances, tokens, ids = merge_topk([a[:3] for a in answers.values()], k)
-        return SearchResult(distances, tokens, ids, {name: a[3] for name, a in answers.items()})
+        return SearchResult(distances, tokens, ids, {name: a[3] for name, a in answers.items()}, transports=dict.fromkeys(answers, "local"))
 
     def result(self, pending: SearchResult) -> SearchResult:
         return pending
@@ -296,7 +297,7 @@ class RayRetriever:
         replica asked where one fails) and merge their answers."""
         info, args, deadline, orders, calls = pending.info, pending.args, pending.deadline, pending.orders, pending.calls
         actors, k = self._handles(info), args[1]
-        found, seconds, failed = {}, {}, {}
+        found, seconds, failed, transports = {}, {}, {}, {}
         for index, (shard, order) in enumerate(zip(info.shards, orders)):
             for attempt, replica in enumerate(order):
                 call = calls[index] if attempt == 0 else self._call(info.key, index, replica, actors, args)
@@ -306,6 +307,7 @@ class RayRetriever:
                 answer, reason = self._wait(info.key, index, replica, call, share, len(args[0]))
                 if answer is not None:
                     *found[shard], seconds[shard] = answer
+                    transports[shard] = "call" if call[0] is None else "graph"
                     self._note_search_time((*info.key, index, replica), seconds[shard], len(args[0]))
                     failed.pop(shard, None)
                     break
@@ -317,7 +319,7 @@ class RayRetriever:
         distances, tokens, ids = merge_topk(answers, k)
         if len(answers) == 1:  # one shard's answer is a view of its channel's buffer, which the next step reuses
             distances, tokens, ids = np.array(distances), np.array(tokens), np.array(ids)
-        return SearchResult(distances, tokens, ids, seconds, failed)
+        return SearchResult(distances, tokens, ids, seconds, failed, transports)
 
     def _order(self, key: tuple[str, int], index: int, replicas: int) -> list[int]:
         """This step's replicas of a shard, in turn, the recently failed ones last."""

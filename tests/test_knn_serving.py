@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -295,6 +296,41 @@ def test_overlap_serves_what_is_served_without_it(knn_server, token_ids, tiny_mo
     np.testing.assert_allclose(echo, expected_echo, atol=1e-4)
     (overlap_skipped, overlap_searched), (skipped, searched) = counted
     assert overlap_skipped == skipped == 6 and searched == 0 and overlap_searched == 6
+
+
+def test_compiled_graphs_serve_what_plain_calls_serve(knn_server, token_ids, tiny_model_dir, tmp_path_factory):
+    """knn.compiled_graphs: once each datastore's shards answer through their Ray Compiled Graphs
+    (built in the background from a version's first search, plain calls serving meanwhile), the
+    same tokens and logprobs as plain actor calls, alone and batched; knnlm_shard_answers says
+    which transport answered."""
+    prompt = token_ids["a"][: len(PREFIX.split()) + 2]
+    expected = [complete(knn_server, prompt, **x) for x in MIXED_REQUESTS]
+    work = tmp_path_factory.mktemp("graphs")
+    config = {**TINY_SERVER, "model": str(tiny_model_dir), "knn": {**knn_server.config["knn"], "compiled_graphs": True}}
+    with RunningServer(config, work) as server:
+
+        def answers(transport: str) -> dict[str, float]:
+            values = scrape_metrics(server.base_url)
+            return {
+                n: metric_total(values, rf'knnlm_shard_answers_total\{{datastore="{n}",.*transport="{transport}"') for n in ("a", "a3", "b")
+            }
+
+        deadline = time.monotonic() + 120
+        while not all(answers("graph").values()):  # every datastore's graphs built and answering
+            assert time.monotonic() < deadline, f"no compiled-graph answers after 120 s: {answers('graph')}"
+            for name in ("a", "a3", "b"):
+                complete(server, prompt, max_tokens=2, knn_datastore=name)
+        graph_before, call_before = answers("graph"), answers("call")
+        alone = [complete(server, prompt, **x) for x in MIXED_REQUESTS]
+        with ThreadPoolExecutor(len(MIXED_REQUESTS)) as pool:
+            together = list(pool.map(lambda x: complete(server, prompt, **x), MIXED_REQUESTS))
+        graph_after, call_after = answers("graph"), answers("call")
+    for want, *got in zip(expected, alone, together):
+        for choice in got:
+            assert choice.token_ids == want.token_ids
+            np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4)
+    assert all(graph_after[n] > graph_before[n] for n in graph_after), (graph_before, graph_after)
+    assert call_after == call_before  # no step fell back to plain calls
 
 
 def rows_counted(server, send) -> tuple[float, float]:

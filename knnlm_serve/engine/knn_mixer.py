@@ -118,6 +118,8 @@ class KnnMixer:
         metrics.RETRIEVAL_SECONDS.labels(info.name).observe(time.perf_counter() - rows.started)
         for shard, seconds in result.shard_seconds.items():
             metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
+        for shard, transport in result.transports.items():
+            metrics.SHARD_ANSWERS.labels(info.name, shard, transport).inc()
         if result.shard_seconds:
             metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
         for reason in result.failed_shards.values():
