@@ -131,7 +131,7 @@ class KnnConfig(_Strict):
     compiled_graphs: bool = Field(
         False,
         description="reach shard actors through Ray Compiled Graphs: Ray's transport 0.5 / 1.7 ms at batch 1 / 32 (k 1024) "
-        "instead of 1.5 / 4.4, but every graph's reader polls a core while it exists; for hosts with a core to spare per "
+        "instead of 1.8 / 3.6, but every graph's reader polls a core while it exists; for hosts with a core to spare per "
         "shard actor",
     )
     graph_idle_s: float = Field(
