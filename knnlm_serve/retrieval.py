@@ -138,11 +138,11 @@ class ShardActor:
         OpenMP's thread count is per calling thread, and a thread that never set it starts at Ray's
         OMP_NUM_THREADS=1: a compiled graph calls `search` from its own thread, where FAISS ran on
         one core (1.9x slower: 1M IVF-PQ, batch 32) until this was set there too."""
-        import faiss
-        import torch
-
         thread = threading.get_ident()
         if thread not in self._threads_set:
+            import faiss
+            import torch
+
             faiss.omp_set_num_threads(self._search_threads)
             torch.set_num_threads(self._search_threads)  # exact (flat) shards search with torch
             self._threads_set.add(thread)
