@@ -18,6 +18,13 @@ RETRIEVAL_SECONDS = Histogram(
     ["datastore"],
     buckets=_LATENCY_BUCKETS,
 )
+RETRIEVAL_WAIT_SECONDS = Histogram(
+    "knnlm_retrieval_wait_seconds",
+    "one step's time in sending one datastore's search and waiting for its answer: what retrieval added to the step "
+    "(with knn.overlap, the part of the search the end of the forward pass did not hide)",
+    ["datastore"],
+    buckets=_LATENCY_BUCKETS,
+)
 INTERPOLATION_SECONDS = Histogram(
     "knnlm_interpolation_seconds",
     "one step's p_kNN scatter and log-space mix for one datastore",

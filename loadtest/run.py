@@ -125,6 +125,7 @@ def run_benchmark(
         "knn_steps": delta(r"knnlm_retrieval_steps_total"),
         "knn_retrieval_seconds": delta(r"knnlm_retrieval_seconds_sum"),
         "knn_slowest_shard_seconds": delta(r"knnlm_slowest_shard_search_seconds_sum"),
+        "knn_wait_seconds": delta(r"knnlm_retrieval_wait_seconds_sum"),
         "knn_interpolation_seconds": delta(r"knnlm_interpolation_seconds_sum"),
         "knn_fallbacks": delta(r"knnlm_fallbacks_total"),
         # rows of kNN requests: searched, served p_LM (adaptive retrieval), or from pointers
@@ -137,12 +138,15 @@ def run_benchmark(
     knn_seconds = server["knn_retrieval_seconds"] + server["knn_interpolation_seconds"]
     server["retrieval_share_of_wall"] = knn_seconds / result["duration"]
     # Where kNN time goes, per step: FAISS in the slowest shard (the fan-out waits for it), the rest
-    # of the fan-out (Ray transport, scheduling, merge), and the p_kNN scatter + mix.
+    # of the fan-out (Ray transport, scheduling, merge; with knn.overlap also the end of the forward
+    # pass that ran meanwhile), the p_kNN scatter + mix, and what the step waited for the search
+    # (sending it and waiting for its answer: with knn.overlap, what the forward pass did not hide).
     steps = max(server["knn_steps"], 1)
     server["ms_per_step"] = {
         "shard_search": 1e3 * server["knn_slowest_shard_seconds"] / steps,
         "ray_and_merge": 1e3 * (server["knn_retrieval_seconds"] - server["knn_slowest_shard_seconds"]) / steps,
         "interpolation": 1e3 * server["knn_interpolation_seconds"] / steps,
+        "waited": 1e3 * server["knn_wait_seconds"] / steps,
     }
     server["requests_match_1pct"] = abs(server["requests"] - result["completed"]) <= 0.01 * max(1, result["completed"])
     server["tokens_match_1pct"] = abs(server["output_tokens"] - result["total_output_tokens"]) <= 0.01 * max(
@@ -287,7 +291,7 @@ def markdown(report: dict) -> str:
         f"Server: {report['server']}; prompts: {report['prompt_source']}, {report['prompt_words']} words, "
         f"{report['output_len']} output tokens, streaming.",
         "",
-        "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | kNN share of wall | kNN ms/step: slowest shard / Ray+merge / mix | rows searched / skipped / pointers | server counters match |",
+        "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | kNN share of wall | kNN ms/step: slowest shard / Ray+merge / mix / waited | rows searched / skipped / pointers | server counters match |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in report["runs"]:

@@ -107,6 +107,15 @@ def test_metrics_count_every_knn_step(server, ids):
         before, 'knnlm_retrieval_seconds_sum{datastore="main"}'
     )
     assert 0 < latency_sum / steps < 1.0  # seconds per step: positive and plausible
+    # What the step waited for (sending the search, then its answer) is within the retrieval's span,
+    # and with knn.overlap (the default) the end of the forward pass ran in between: strictly less.
+    waits = total(after, 'knnlm_retrieval_wait_seconds_count{datastore="main"}') - total(
+        before, 'knnlm_retrieval_wait_seconds_count{datastore="main"}'
+    )
+    wait_sum = total(after, 'knnlm_retrieval_wait_seconds_sum{datastore="main"}') - total(
+        before, 'knnlm_retrieval_wait_seconds_sum{datastore="main"}'
+    )
+    assert waits == steps and 0 < wait_sum < latency_sum
     assert total(after, "knnlm_shard_search_seconds_count") > 0
 
 

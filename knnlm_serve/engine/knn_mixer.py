@@ -44,6 +44,7 @@ class PendingRows:
     ks: np.ndarray
     follow: np.ndarray  # bool [n]: the row follows pointers
     started: float
+    sending: float  # seconds that sending the search held the step
     pending: object  # the retriever's pending search, or the RetrievalError that starting it raised
 
 
@@ -99,21 +100,25 @@ class KnnMixer:
             pending = self.retriever.start(info, keys, int(ks.max()), runtime.knn.nprobe or info.nprobe, pointers)
         except RetrievalError as e:
             pending = e
-        return PendingRows(info, params, ks, follow, started, pending)
+        return PendingRows(info, params, ks, follow, started, time.perf_counter() - started, pending)
 
     def finish(self, rows: PendingRows, keep: list[int] | None = None) -> Neighbours | None:
         """The neighbours of a started search's rows (only the rows at positions `keep`, when
         given), or None when no shard answered (the rows are then served LM-only)."""
         info, params, ks, follow = rows.info, rows.params, rows.ks, rows.follow
         served = len(params) if keep is None else len(keep)
+        waiting = time.perf_counter()
         try:
             if isinstance(rows.pending, RetrievalError):
                 raise rows.pending
             result = self.retriever.result(rows.pending)
         except RetrievalError as e:
-            metrics.FALLBACKS.labels(info.name, e.reason).inc(served)
+            result = e
+        metrics.RETRIEVAL_WAIT_SECONDS.labels(info.name).observe(rows.sending + time.perf_counter() - waiting)
+        if isinstance(result, RetrievalError):
+            metrics.FALLBACKS.labels(info.name, result.reason).inc(served)
             if served:
-                logger.warning("serving %d row(s) LM-only: %s", served, e)
+                logger.warning("serving %d row(s) LM-only: %s", served, result)
             return None
         metrics.RETRIEVAL_SECONDS.labels(info.name).observe(time.perf_counter() - rows.started)
         for shard, seconds in result.shard_seconds.items():
