@@ -13,12 +13,13 @@ from conftest import make_tiny_llama
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig, EvalConfig
-from knnlm_core.datastore import read_manifest
+from knnlm_core.datastore import Calibration, read_manifest
 from knnlm_core.keys import KeyEncoder
 from knnlm_core.search import merge_topk, open_shards
 from knnlm_serve.eval.cli import main as eval_main
 from knnlm_serve.eval.report import write_report
 from knnlm_serve.eval.run import evaluate
+from knnlm_serve.eval.score import Variant, full_retrieval_variant, plan_variants
 from knnlm_serve.eval.text import load_eval_text
 
 CONFIG = EvalConfig(
@@ -146,6 +147,20 @@ def test_sweep_tunes_on_the_tuning_part_only_and_writes_the_report(run, tmp_path
     assert skip["ppl"] == pytest.approx(next(c["report_ppl"] for c in skip["curve"] if c["threshold"] == skip["threshold"]))
     assert json.loads((tmp_path / "results.json").read_text())["text"]["report_tokens"] == int((~run.arrays["tune"]).sum())
     assert "served through vLLM" in (tmp_path / "results.md").read_text()
+
+
+def test_the_served_setting_is_judged_against_every_row_searched_at_the_build_nprobe(run, datastores):
+    # The eval's own run: its first datastore is flat, so full retrieval is the served search itself.
+    served_defaults = run.summary["served_defaults"]
+    full = served_defaults["full_retrieval"]
+    assert full["nprobe"] is None and full["report_ppl"] == pytest.approx(served_defaults["report_ppl_every_search"], rel=1e-9)
+    assert full["gap_pct"] == pytest.approx(100 * (served_defaults["report_ppl"] / full["report_ppl"] - 1))
+    # An IVF store whose calibration serves fewer lists than its build searched: variant 0 is the
+    # served nprobe, full retrieval the build's.
+    ivf = read_manifest(datastores["ivf"])  # too small a corpus to calibrate: give it a calibrated nprobe
+    ivf = ivf.model_copy(update={"index": ivf.index.model_copy(update={"nprobe": 4}), "calibration": Calibration.model_construct(nprobe=2)})
+    variants = plan_variants({"ivf": ivf}, CONFIG)
+    assert variants[0].nprobe == 2 and full_retrieval_variant(variants, {"ivf": ivf}) == Variant("ivf", ivf.key_type, ivf.index.factory, 4)
 
 
 def eval_error(*argv) -> str:

@@ -31,7 +31,8 @@ def markdown_table(summary: dict) -> str:
     rows.append(
         f"| served defaults (no knobs; λ from {sd['source']['lambda']}; searches skipped where p_LM(top) > {sd['skip_threshold']:.3g}: "
         f"{sd['skipped_report']:.0%}; pointers followed from {sd['min_pointers']} survivors: {sd['followed_report']:.0%}; "
-        f"report ppl {sd['report_ppl_every_search']:.3f} with every search), "
+        f"report ppl {sd['report_ppl_every_search']:.3f} with every search, {sd['full_retrieval']['report_ppl']:.3f} with every "
+        f"search at the build's nprobe: {sd['full_retrieval']['gap_pct']:+.2f}% vs full retrieval), "
         f"{sd['gap_to_best_pct']:+.2f}% vs tuned best | {sd['k']} | "
         f"{sd['temperature']:g} | {lam} | {sd['tune_ppl']:.3f} | {sd['report_ppl']:.3f} |"
     )

@@ -16,7 +16,15 @@ from knnlm_core.mixture import adaptive_lambda, knn_log_prob, mixture_log_prob
 from knnlm_core.model_dir import model_fingerprint
 from knnlm_core.pointers import consecutive, replay, shard_lookup
 from knnlm_core.search import open_shards
-from knnlm_serve.eval.score import Variant, encode_keys, find_neighbours, open_engine, plan_variants, score_with_vllm
+from knnlm_serve.eval.score import (
+    Variant,
+    encode_keys,
+    find_neighbours,
+    full_retrieval_variant,
+    open_engine,
+    plan_variants,
+    score_with_vllm,
+)
 from knnlm_serve.eval.text import EvalError, load_eval_text
 from knnlm_serve.runtime import DatastoreInfo, ServedModel, check_datastore, mix_defaults
 
@@ -110,7 +118,10 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     timings["knn_pass_s"] = time.monotonic() - t0
     log_p_numpy = served_with_skips(log_p_lm, log_p_full, top_log_p, skip["threshold"])
     del llm
-    served_defaults = _served_defaults(checked[main][0], log_p_lm, top_log_p, sd, sm, served_ids, replayer, tune, best)
+    full = full_retrieval_variant(variants, manifests)
+    served_defaults = _served_defaults(
+        checked[main][0], log_p_lm, top_log_p, sd, sm, served_ids, replayer, tune, best, (full, neighbours[full])
+    )
     timings["total_s"] = time.monotonic() - started
 
     summary = {
@@ -204,11 +215,12 @@ def _pointer_curve(replayer: PointerReplay, distances, ids, setting: dict, log_p
 
 
 def _served_defaults(
-    info: DatastoreInfo, log_p_lm, top_log_p, distances, match, ids, replayer: PointerReplay | None, tune, best: dict
+    info: DatastoreInfo, log_p_lm, top_log_p, distances, match, ids, replayer: PointerReplay | None, tune, best: dict, full: tuple
 ) -> dict:
     """What a request that sets no knob gets from the first datastore as built (its calibration,
     else the config defaults; searches skipped by its skip rule, pointers followed by its pointer
-    rule), scored from the same neighbours, and its gap to the tuned best."""
+    rule), scored from the same neighbours, and its gap to the tuned best and to full retrieval
+    (`full`: the variant searched at the build's nprobe and its neighbours, every row searched)."""
     d = mix_defaults(KnnConfig(), info.name, info.calibration)
     k = min(d.k, distances.shape[1])
 
@@ -225,6 +237,8 @@ def _served_defaults(
         served = mixture(used_d, replayer.matches(used_ids))
     mix = served_with_skips(log_p_lm, served, top_log_p, d.skip_threshold)
     report = perplexity(mix[~tune])
+    full_variant, (full_distances, full_match) = full
+    full_report = perplexity(mixture(full_distances, full_match)[~tune])
     return {
         "lambda": "adaptive" if d.lambda_ is None else d.lambda_,
         "k": k,
@@ -239,6 +253,7 @@ def _served_defaults(
         "tune_ppl": perplexity(mix[tune]),
         "report_ppl": report,
         "gap_to_best_pct": 100 * (report / best["report_ppl"] - 1),
+        "full_retrieval": {"nprobe": full_variant.nprobe, "report_ppl": full_report, "gap_pct": 100 * (report / full_report - 1)},
     }
 
 

@@ -119,6 +119,13 @@ def plan_variants(manifests: dict[str, Manifest], config: EvalConfig) -> list[Va
     return variants
 
 
+def full_retrieval_variant(variants: list[Variant], manifests: dict[str, Manifest]) -> Variant:
+    """The first datastore as built, searched at the build's nprobe over all its entries: the full
+    retrieval that its served setting (calibration's nprobe, skipped searches, pointers) is judged against."""
+    main, manifest = next(iter(manifests.items()))
+    return next(v for v in variants if v.datastore == main and v.index != "exact" and v.fraction == 1 and v.nprobe == manifest.index.nprobe)
+
+
 def find_neighbours(root: Path, manifest: Manifest, variant: Variant, keys: np.ndarray, k: int, config: EvalConfig):
     """The merged top-k (distances, tokens, entry ids [T, k]) of every query under `variant`."""
     searchers = open_shards(root, manifest, use_gpu=None)
