@@ -185,6 +185,36 @@ def test_idle_graphs_are_parked_so_their_actors_stop_polling_and_come_back_at_th
             ray_session.kill(replicas[0])
 
 
+def test_a_second_engine_on_the_same_actors_is_served_by_plain_calls_until_the_graphs_are_free(stores, ray_session):
+    """Two engines (vLLM data parallel, or two servers on one Ray cluster) sharing a datastore's
+    actors, both with compiled graphs: an actor runs one graph at a time, so the second engine's
+    searches go through plain calls, beside the first engine's graph, until that graph is gone."""
+    stored, _ = stores["two"]
+    info = DatastoreInfo.of("shared", stored.path, read_manifest(stored.path))  # its own actors: no other test's graphs
+    actors = start_shard_actors(info, knn())
+    first, second = (RayRetriever(knn(compiled_graphs=True, shard_timeout_s=5.0), None) for _ in range(2))
+    expected = LocalRetriever(knn()).search(info, queries(), K, None)
+    try:
+        compiled(first, info)
+        for _ in range(10):  # the second engine's graph builds wait for the actors meanwhile
+            assert_same(first.search(info, queries(), K, None), expected)
+            result = second.search(info, queries(), K, None)
+            assert result.failed_shards == {} and set(result.transports.values()) == {"call"}
+            assert_same(result, expected)
+            time.sleep(0.1)
+        assert first.compiled_shards(info) == info.shards and second.compiled_shards(info) == []
+        first.release(set())
+        until(lambda: second.search(info, queries(1), 1, None) and second.compiled_shards(info) == info.shards)
+        result = second.search(info, queries(), K, None)
+        assert set(result.transports.values()) == {"graph"}
+        assert_same(result, expected)
+    finally:
+        first.release(set())
+        second.release(set())
+        for replicas in actors:
+            ray_session.kill(replicas[0])
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["compiled graphs", "plain calls"])
 def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, graphs):
     """Two replicas per shard: a SIGSTOPped replica costs at most its share of one step's deadline
