@@ -230,7 +230,9 @@ class RayRetriever:
     actor's loop: seconds here), per datastore version; until an actor's graph is ready, and after
     it fails (timeout, actor death), that actor is searched through plain `actor.search.remote`
     and its graph is rebuilt once the actor answers again. Tearing a graph down waits for the
-    actor (forever while it is stopped), so that happens in the background too.
+    actor (forever while it is stopped), so that happens in the background too. An actor runs one
+    graph at a time: where engines share a version's actors, the first to build holds the graph,
+    and the others' builds wait while plain calls serve them.
 
     With replicas (`knn.replicas`), a step asks one replica per shard, in turn (replicas that
     failed in the last `SUSPECT_S` seconds last), and each replica it asks gets an equal share of
