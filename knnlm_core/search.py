@@ -9,7 +9,8 @@ of any size merge. Entry ids are global (the shard's first id plus its FAISS id)
 corpus order across shards, which pointer following relies on.
 
 Exact (flat) shards are searched as one torch matmul + `torch.topk` (`torch_search`) wherever the
-measured curve says that beats FAISS's own flat search (`torch_is_faster`), other indexes by FAISS.
+measured curve says that beats FAISS's own flat search (`torch_is_faster`), other indexes by FAISS;
+IVF indexes take their coarse step (each query's nprobe lists) the same way (`ivf_search`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class ShardSearcher:
             raise DatastoreError(f"shard {shard.name}: {index.ntotal} keys but {len(self.values)} values; rebuild the datastore")
         self.on_gpu = gpu_available() if use_gpu is None else use_gpu
         self.exact = flat_keys(index, self.on_gpu)  # flat shards: searched with torch where that is faster
+        self.centroids = None if self.on_gpu else ivf_centroids(index)  # IVF shards: their coarse step likewise
         if self.on_gpu and self.exact is None:
             self._gpu_resources = faiss.StandardGpuResources()  # must outlive the GPU index
             index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
@@ -75,7 +77,7 @@ class ShardSearcher:
         return out
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return search_index(self.index, self.values, queries, k, nprobe, first_id=self.first_id, exact=self.exact)
+        return search_index(self.index, self.values, queries, k, nprobe, first_id=self.first_id, exact=self.exact, centroids=self.centroids)
 
     def lookup(self, queries: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Score row i's candidate entries `ids[i]` (global ids, -1 padding; ids of other shards are
@@ -122,6 +124,15 @@ def flat_keys(index, on_gpu: bool) -> FlatKeys | None:
     keys = keys.to("cuda" if on_gpu and torch.cuda.is_available() else "cpu")
     norms = torch.linalg.vector_norm(keys, dim=1).square_()  # no [N, d] temporary, unlike (keys * keys).sum
     return FlatKeys(keys, norms, keys.bfloat16() if keys.device.type == "cpu" and cpu_has_bf16() else None)
+
+
+def ivf_centroids(index) -> FlatKeys | None:
+    """An IVF index's coarse centroids for `torch_search`, which finds each query's nprobe lists
+    faster than FAISS's flat quantizer at a decode step's batch (see `ivf_search`); None for other
+    indexes, IVF indexes behind a transform (PCA) and non-flat quantizers (HNSW)."""
+    if not isinstance(index, faiss.IndexIVF) or index.metric_type != faiss.METRIC_L2:
+        return None
+    return flat_keys(faiss.downcast_index(index.quantizer), on_gpu=False)
 
 
 @cache
@@ -227,34 +238,54 @@ def search_index(
     keep: np.ndarray | None = None,
     first_id: int = 0,
     exact: FlatKeys | None = None,
+    centroids: FlatKeys | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(distances, tokens, ids) [n, k] of the k nearest entries, padded with (+inf, -1, -1) past the
     index size; ids are `first_id` + the index's own.
 
     `nprobe` overrides the index's own for IVF indexes; `keep` (bool per entry) restricts the
     search to a subset, e.g. a random fraction of the datastore. `exact`: a flat index's keys from
-    `flat_keys`, searched with torch instead of FAISS where `torch_is_faster`."""
+    `flat_keys`, searched with torch instead of FAISS where `torch_is_faster`; `centroids`: an IVF
+    index's from `ivf_centroids`, likewise for its coarse step."""
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     if exact is not None and torch_is_faster(len(queries), index.ntotal, exact.keys.device.type):
         distances, ids = torch_search(exact, queries, k, keep)
     else:
-        distances, ids = faiss_search(index, queries, k, nprobe, keep)
+        distances, ids = faiss_search(index, queries, k, nprobe, keep, centroids)
     tokens = np.where(ids >= 0, values[np.maximum(ids, 0)], -1).astype(np.int32)
     return _pad(np.where(ids >= 0, distances, np.inf).astype(np.float32), tokens, np.where(ids >= 0, ids + first_id, -1), k)
 
 
-def faiss_search(index, queries: np.ndarray, k: int, nprobe: int | None, keep: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """FAISS's own (distances, ids) [n, min(k, N)], with the nprobe and subset `search_index` takes."""
+def faiss_search(
+    index, queries: np.ndarray, k: int, nprobe: int | None, keep: np.ndarray | None, centroids: FlatKeys | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS's (distances, ids) [n, min(k, N)], with the nprobe and subset `search_index` takes;
+    with an IVF index's `centroids`, its coarse step by torch where `torch_is_faster` (`ivf_search`)."""
     selector = faiss.IDSelectorBatch(np.flatnonzero(keep).astype(np.int64)) if keep is not None else None
     params = None
     ivf = ivf_of(index)
     if ivf is not None:  # SearchParametersIVF defaults to nprobe 1: always say which
-        params = faiss.SearchParametersIVF(nprobe=nprobe or ivf.nprobe)
+        params = faiss.SearchParametersIVF(nprobe=min(nprobe or ivf.nprobe, ivf.nlist))
     elif selector is not None:
         params = faiss.SearchParameters()
     if selector is not None:
         params.sel = selector
+    if centroids is not None and torch_is_faster(len(queries), ivf.nlist, centroids.keys.device.type):
+        return ivf_search(index, centroids, queries, min(k, index.ntotal), params)
     return index.search(queries, min(k, index.ntotal), params=params)
+
+
+def ivf_search(index, centroids: FlatKeys, queries: np.ndarray, k: int, params) -> tuple[np.ndarray, np.ndarray]:
+    """An IVF index's search with its coarse step (each query's `params.nprobe` nearest centroids)
+    taken by `torch_search` and the lists scanned by FAISS (`search_preassigned`). The coarse step
+    is the same lists with exact distances (bf16 candidates re-scored in fp32), in less time: 1M
+    entries, 4,096 lists, batch 32, 1 thread, k 512, nprobe 16: 11.5 ms against FAISS's own 14.1."""
+    n = len(queries)
+    coarse_distances, lists = (np.ascontiguousarray(a) for a in torch_search(centroids, queries, params.nprobe))
+    distances, ids = np.empty((n, k), np.float32), np.empty((n, k), np.int64)
+    ptr = faiss.swig_ptr
+    index.search_preassigned_c(n, ptr(queries), k, ptr(lists), ptr(coarse_distances), ptr(distances), ptr(ids), False, params)
+    return distances, ids
 
 
 def ivf_of(index):
@@ -313,11 +344,13 @@ def search_many(
     from tqdm import tqdm
 
     exact = [flat_keys(index, gpu_available()) for index, *_ in shards]
+    centroids = [ivf_centroids(index) for index, *_ in shards]
     parts = []
     for i in tqdm(range(0, len(queries), SEARCH_BATCH), desc=desc, disable=not progress):
         q = queries[i : i + SEARCH_BATCH]
         answers = [
-            search_index(index, values, q, k, nprobe, keep, first, keys) for (index, values, keep, first), keys in zip(shards, exact)
+            search_index(index, values, q, k, nprobe, keep, first, keys, coarse)
+            for (index, values, keep, first), keys, coarse in zip(shards, exact, centroids)
         ]
         parts.append(merge_topk(answers, k))
     return tuple(np.concatenate(column) for column in zip(*parts))

@@ -1,4 +1,5 @@
-"""Exact search of flat shards with torch gives FAISS's answers, whichever path a call takes."""
+"""Torch's share of search gives FAISS's answers, whichever path a call takes: exact search
+of flat shards, and the coarse step (each query's nprobe lists) of IVF shards."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ import pytest
 from index_builder.build import build_from_keys
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import ModelIdentity, read_manifest
-from knnlm_core.search import FlatKeys, faiss_search, flat_keys, open_shards, search_index, search_many, torch_is_faster, torch_search
+from knnlm_core.search import (
+    FlatKeys,
+    faiss_search,
+    flat_keys,
+    ivf_centroids,
+    open_shards,
+    search_index,
+    search_many,
+    torch_is_faster,
+    torch_search,
+)
 
 
 def flat_index(keys: np.ndarray) -> faiss.IndexFlatL2:
@@ -130,3 +141,29 @@ def test_bf16_preselection_finds_the_exact_neighbours(batch, k):
     distances, ids = torch_search(with_bf16, queries, k, keep)
     assert np.all(keep[ids]) and np.all(np.diff(distances, axis=1) >= 0)
     assert_same_neighbours(expected, (distances, ids), values)
+
+
+@pytest.mark.parametrize("factory", ["IVF1024,PQ8", "IVF1024,Flat"])
+def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory):
+    """IVF shards find each query's nprobe lists with torch at a decode step's batch (bf16
+    candidates re-scored exactly, where the CPU has bf16) and FAISS scans them: FAISS's own
+    answer, with a subset too, and at nprobe past the list count."""
+    rng = np.random.default_rng(4)
+    centres = rng.normal(size=(64, 32)).astype(np.float32) * 3
+    keys = (centres[rng.integers(0, 64, 16_000)] + rng.normal(size=(16_000, 32))).astype(np.float32)
+    values = rng.integers(0, 500, 16_000)
+    model = ModelIdentity(name="m", fingerprint="f", hidden_size=32, vocab_size=500, dtype="float32")
+    build_from_keys(keys, values, tmp_path / "ds", model, BuildConfig(index=factory), source="test", progress=False)
+    (shard,) = open_shards(tmp_path / "ds", read_manifest(tmp_path / "ds"), use_gpu=False)
+    assert shard.centroids is not None and len(shard.centroids.keys) == 1024
+    queries = (keys[rng.integers(0, 16_000, 32)] + 0.3 * rng.normal(size=(32, 32))).astype(np.float32)
+    keep = rng.random(16_000) < 0.5
+    assert torch_is_faster(len(queries), 1024, "cpu")  # else FAISS's own quantizer would run both times
+    for nprobe, k, subset in ((4, 100, None), (16, 1024, None), (8, 50, keep), (2000, 20, None)):
+        found = search_index(shard.index, shard.values, queries, k, nprobe, subset, centroids=shard.centroids)
+        expected = search_index(shard.index, shard.values, queries, k, nprobe, subset)  # FAISS's quantizer
+        np.testing.assert_array_equal(found[2], expected[2])
+        np.testing.assert_allclose(found[0], expected[0], rtol=1e-4, atol=1e-3)
+        if subset is not None:
+            assert np.all(subset[found[2][found[2] >= 0]])
+    assert ivf_centroids(flat_index(keys)) is None
