@@ -145,9 +145,8 @@ def test_bf16_preselection_finds_the_exact_neighbours(batch, k):
 
 @pytest.mark.parametrize("factory", ["IVF1024,PQ8", "IVF1024,Flat"])
 def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory):
-    """IVF shards find each query's nprobe lists with torch at a decode step's batch (bf16
-    candidates re-scored exactly, where the CPU has bf16) and FAISS scans them: FAISS's own
-    answer, with a subset too, and at nprobe past the list count."""
+    """IVF shards find each query's nprobe lists with torch at a decode step's batch and FAISS
+    scans them: FAISS's own answer, with a subset too, and at nprobe past the list count."""
     rng = np.random.default_rng(4)
     centres = rng.normal(size=(64, 32)).astype(np.float32) * 3
     keys = (centres[rng.integers(0, 64, 16_000)] + rng.normal(size=(16_000, 32))).astype(np.float32)
@@ -162,8 +161,9 @@ def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory):
     for nprobe, k, subset in ((4, 100, None), (16, 1024, None), (8, 50, keep), (2000, 20, None)):
         found = search_index(shard.index, shard.values, queries, k, nprobe, subset, centroids=shard.centroids)
         expected = search_index(shard.index, shard.values, queries, k, nprobe, subset)  # FAISS's quantizer
-        np.testing.assert_array_equal(found[2], expected[2])
-        np.testing.assert_allclose(found[0], expected[0], rtol=1e-4, atol=1e-3)
+        # The same neighbours at the same distances; entries at equal distance may swap places.
+        assert_same_neighbours((expected[0], expected[2]), (found[0], found[2]), values)
+        assert np.mean(found[2] == expected[2]) > 0.999
         if subset is not None:
             assert np.all(subset[found[2][found[2] >= 0]])
     assert ivf_centroids(flat_index(keys)) is None
