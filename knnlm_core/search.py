@@ -251,7 +251,7 @@ def search_index(
     `nprobe` overrides the index's own for IVF indexes; `keep` (bool per entry) restricts the
     search to a subset, e.g. a random fraction of the datastore. `exact`: a flat index's keys from
     `flat_keys`, searched with torch instead of FAISS where `torch_is_faster`; `centroids`: an IVF
-    index's from `ivf_centroids`, likewise for its coarse step."""
+    index's from `ivf_centroids`, for its coarse step where `coarse_by_torch`."""
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     if exact is not None and torch_is_faster(len(queries), index.ntotal, exact.keys.device.type):
         distances, ids = torch_search(exact, queries, k, keep)
@@ -265,7 +265,7 @@ def faiss_search(
     index, queries: np.ndarray, k: int, nprobe: int | None, keep: np.ndarray | None, centroids: FlatKeys | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """FAISS's (distances, ids) [n, min(k, N)], with the nprobe and subset `search_index` takes;
-    with an IVF index's `centroids`, its coarse step by torch where `torch_is_faster` (`ivf_search`)."""
+    with an IVF index's `centroids`, its coarse step by torch where that is faster (`coarse_by_torch`)."""
     selector = faiss.IDSelectorBatch(np.flatnonzero(keep).astype(np.int64)) if keep is not None else None
     params = None
     ivf = ivf_of(index)
@@ -275,9 +275,18 @@ def faiss_search(
         params = faiss.SearchParameters()
     if selector is not None:
         params.sel = selector
-    if centroids is not None and torch_is_faster(len(queries), ivf.nlist, centroids.keys.device.type):
+    if centroids is not None and coarse_by_torch(len(queries), ivf.nlist):
         return ivf_search(index, centroids, queries, min(k, index.ntotal), params)
     return index.search(queries, min(k, index.ntotal), params=params)
+
+
+def coarse_by_torch(batch: int, lists: int) -> bool:
+    """Whether `ivf_search` beats FAISS's own IVF search: on one thread, by `torch_is_faster`'s rule.
+    On more, FAISS splits the queries over its threads, coarse step and scan together, while
+    `search_preassigned` runs single-threaded, and handing a search between torch's and FAISS's
+    OpenMP thread pools costs more than it saves (1M entries, 4,096 lists, batch 32, 2 threads,
+    k 512, nprobe 16: 7.6 ms by FAISS, 11.1 this way, 7.3 when FAISS also scans in parallel)."""
+    return faiss.omp_get_max_threads() == 1 and torch_is_faster(batch, lists, "cpu")
 
 
 def ivf_search(index, centroids: FlatKeys, queries: np.ndarray, k: int, params) -> tuple[np.ndarray, np.ndarray]:

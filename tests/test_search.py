@@ -14,6 +14,7 @@ from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import ModelIdentity, read_manifest
 from knnlm_core.search import (
     FlatKeys,
+    coarse_by_torch,
     faiss_search,
     flat_keys,
     ivf_centroids,
@@ -145,8 +146,8 @@ def test_bf16_preselection_finds_the_exact_neighbours(batch, k):
 
 @pytest.mark.parametrize("factory", ["IVF1024,PQ8", "IVF1024,Flat"])
 def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory):
-    """IVF shards find each query's nprobe lists with torch at a decode step's batch and FAISS
-    scans them: FAISS's own answer, with a subset too, and at nprobe past the list count."""
+    """Single-threaded IVF shards find each query's nprobe lists with torch at a decode step's batch
+    and FAISS scans them: FAISS's own answer, with a subset too, and at nprobe past the list count."""
     rng = np.random.default_rng(4)
     centres = rng.normal(size=(64, 32)).astype(np.float32) * 3
     keys = (centres[rng.integers(0, 64, 16_000)] + rng.normal(size=(16_000, 32))).astype(np.float32)
@@ -157,13 +158,24 @@ def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory):
     assert shard.centroids is not None and len(shard.centroids.keys) == 1024
     queries = (keys[rng.integers(0, 16_000, 32)] + 0.3 * rng.normal(size=(32, 32))).astype(np.float32)
     keep = rng.random(16_000) < 0.5
-    assert torch_is_faster(len(queries), 1024, "cpu")  # else FAISS's own quantizer would run both times
-    for nprobe, k, subset in ((4, 100, None), (16, 1024, None), (8, 50, keep), (2000, 20, None)):
-        found = search_index(shard.index, shard.values, queries, k, nprobe, subset, centroids=shard.centroids)
-        expected = search_index(shard.index, shard.values, queries, k, nprobe, subset)  # FAISS's quantizer
-        # The same neighbours at the same distances; entries at equal distance may swap places.
-        assert_same_neighbours((expected[0], expected[2]), (found[0], found[2]), values)
-        assert np.mean(found[2] == expected[2]) > 0.999
-        if subset is not None:
-            assert np.all(subset[found[2][found[2] >= 0]])
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    try:
+        assert coarse_by_torch(len(queries), 1024) and not coarse_by_torch(8, 1024)  # else FAISS's quantizer would run both times
+        for nprobe, k, subset in ((4, 100, None), (16, 1024, None), (8, 50, keep), (2000, 20, None)):
+            check_ivf_search(shard, queries, nprobe, k, subset)
+    finally:
+        faiss.omp_set_num_threads(before)
     assert ivf_centroids(flat_index(keys)) is None
+    if before > 1:
+        assert not coarse_by_torch(len(queries), 1024)
+
+
+def check_ivf_search(shard, queries: np.ndarray, nprobe: int, k: int, subset: np.ndarray | None) -> None:
+    found = search_index(shard.index, shard.values, queries, k, nprobe, subset, centroids=shard.centroids)
+    expected = search_index(shard.index, shard.values, queries, k, nprobe, subset)  # FAISS's quantizer
+    # The same neighbours at the same distances; entries at equal distance may swap places.
+    assert_same_neighbours((expected[0], expected[2]), (found[0], found[2]), shard.values)
+    assert np.mean(found[2] == expected[2]) > 0.999
+    if subset is not None:
+        assert np.all(subset[found[2][found[2] >= 0]])
