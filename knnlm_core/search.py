@@ -108,14 +108,14 @@ class FlatKeys:
     low: torch.Tensor | None = None
 
 
-def flat_keys(index, on_gpu: bool) -> FlatKeys | None:
+def flat_keys(index, on_gpu: bool, bf16: bool = True) -> FlatKeys | None:
     """An exact L2 index's keys for `torch_search`; None for other indexes (IVF, PQ, HNSW, a PCA
     transform in front).
 
     On CPU the keys are a view of the index's own storage, so they cost no memory but are only valid
     while the index lives (callers keep both); a CPU with native bf16 gets a bf16 copy beside them
-    (half the keys' size). With `on_gpu` and a GPU torch sees, they are copied there once (the CPU
-    index stays, for `ShardSearcher.lookup` and the FAISS path)."""
+    (half the keys' size) unless `bf16` is False. With `on_gpu` and a GPU torch sees, they are
+    copied there once (the CPU index stays, for `ShardSearcher.lookup` and the FAISS path)."""
     import torch
 
     if not isinstance(index, faiss.IndexFlat) or index.metric_type != faiss.METRIC_L2 or index.ntotal == 0:
@@ -123,7 +123,7 @@ def flat_keys(index, on_gpu: bool) -> FlatKeys | None:
     keys = torch.from_numpy(faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d))
     keys = keys.to("cuda" if on_gpu and torch.cuda.is_available() else "cpu")
     norms = torch.linalg.vector_norm(keys, dim=1).square_()  # no [N, d] temporary, unlike (keys * keys).sum
-    return FlatKeys(keys, norms, keys.bfloat16() if keys.device.type == "cpu" and cpu_has_bf16() else None)
+    return FlatKeys(keys, norms, keys.bfloat16() if bf16 and keys.device.type == "cpu" and cpu_has_bf16() else None)
 
 
 def ivf_centroids(index) -> FlatKeys | None:
@@ -136,8 +136,7 @@ def ivf_centroids(index) -> FlatKeys | None:
     [batch, candidates, d] copy made the step 1.9-4.5 ms."""
     if not isinstance(index, faiss.IndexIVF) or index.metric_type != faiss.METRIC_L2:
         return None
-    centroids = flat_keys(faiss.downcast_index(index.quantizer), on_gpu=False)
-    return None if centroids is None else FlatKeys(centroids.keys, centroids.norms)
+    return flat_keys(faiss.downcast_index(index.quantizer), on_gpu=False, bf16=False)
 
 
 @cache
