@@ -30,7 +30,13 @@ VERSE = re.compile(r"^\s+\d+ (.*)$")  # "  1 In the beginning ..."
 
 def bible_books(workdir: Path) -> list[tuple[str, str]]:
     """(book, text) in canonical order; each chapter one paragraph, verse numbers dropped."""
-    subprocess.run(["apt-get", "download", "bible-kjv", "bible-kjv-text"], cwd=workdir, check=True, capture_output=True)
+    try:
+        subprocess.run(["apt-get", "download", "bible-kjv", "bible-kjv-text"], cwd=workdir, check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = e.stderr.decode().strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
+        raise SystemExit(
+            f"corpus_1m: could not download Debian's bible-kjv packages ({detail}); run it on a Debian or Ubuntu host with apt sources"
+        ) from e
     for deb in workdir.glob("*.deb"):
         subprocess.run(["dpkg-deb", "-x", str(deb), str(workdir / "root")], check=True)
     bible, data = workdir / "root/usr/bin/bible", workdir / "root/usr/lib"
@@ -58,18 +64,19 @@ def main() -> None:
     from knnlm_core.default_model import prepare_default_model
 
     tokenizer = AutoTokenizer.from_pretrained(prepare_default_model())
+    with tempfile.TemporaryDirectory() as tmp:
+        bible = bible_books(Path(tmp))  # before writing anything: a failed download leaves no partial corpus
     args.out.mkdir(parents=True, exist_ok=True)
     wiki = prepare_corpus(WIKITEXT / "valid.txt", (WIKITEXT / "valid.txt").stat().st_size, args.out)  # all of it
     total = len(tokenizer(wiki.read_text()).input_ids)
     (args.out / "kjv").mkdir(exist_ok=True)
     books = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, text in bible_books(Path(tmp)):
-            if total >= args.tokens:
-                break
-            books += 1
-            (args.out / "kjv" / f"{books:02d}-{name.replace(' ', '_')}.txt").write_text(text)
-            total += len(tokenizer(text).input_ids)
+    for name, text in bible:
+        if total >= args.tokens:
+            break
+        books += 1
+        (args.out / "kjv" / f"{books:02d}-{name.replace(' ', '_')}.txt").write_text(text)
+        total += len(tokenizer(text).input_ids)
     print(f"{args.out}: {total} tokens (WikiText-2 valid and {books} books of the King James Bible)")
 
 
