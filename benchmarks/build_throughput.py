@@ -41,15 +41,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WIKITEXT = ROOT.parent / "shared/data/wikitext-2"
 RESULTS = ROOT / "benchmarks/results/build_throughput.json"
 DEFAULT_CHARS = (32_000, 128_000)  # about 8k and 32k SmolLM2 tokens (WikiText: ~3.95 chars/token)
 
-# WikiText-2 splits hyphens and separators inside numbers into " @-@ ", " @,@ ", " @.@ ".
-WIKITEXT_UNESCAPE = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."))
-
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from wikitext import WIKITEXT, WIKITEXT_UNESCAPE, prepare_corpus  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -67,18 +65,6 @@ def bench_config():
     # Flat anyway; pinning it keeps IVF-PQ training time out of the build's wall seconds (index
     # training is reported separately) and makes the key bytes on disk a plain fp32 figure.
     return BuildConfig(index="flat")
-
-
-def prepare_corpus(source: Path, chars: int, workdir: Path) -> Path:
-    text = source.read_text(encoding="utf-8")
-    for escaped, plain in WIKITEXT_UNESCAPE:
-        text = text.replace(escaped, plain)
-    cut = text[:chars]
-    if len(text) > chars and "\n" in cut:
-        cut = cut[: cut.rindex("\n") + 1]  # end on a line boundary, not mid-word
-    path = workdir / f"wikitext2-{source.stem}-{chars}.txt"
-    path.write_text(cut, encoding="utf-8")
-    return path
 
 
 # ---------------------------------------------------------------- child processes

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from build_throughput import WIKITEXT, prepare_corpus
+from wikitext import WIKITEXT, prepare_corpus
 
 from index_builder.build import build_datastore
 from index_builder.default_datastore import stdlib_documents

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from build_throughput import WIKITEXT, prepare_corpus
+from wikitext import WIKITEXT, prepare_corpus
 
 CHAPTER = re.compile(r"^(\S.*?) (\d+)$")  # "Genesis 1"
 VERSE = re.compile(r"^\s+\d+ (.*)$")  # "  1 In the beginning ..."

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from build_throughput import WIKITEXT, prepare_corpus  # noqa: E402  (un-escapes and cuts at a line end)
+from wikitext import WIKITEXT, prepare_corpus  # noqa: E402  (un-escapes and cuts at a line end)
 
 from index_builder.build import build_datastore  # noqa: E402
 from knnlm_core.config import BuildConfig, EvalConfig

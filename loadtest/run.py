@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -30,14 +31,16 @@ import numpy as np
 from knnlm_serve.server.process import metric_total, scrape_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-WIKITEXT = ROOT.parent / "shared/data/wikitext-2/test.txt"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from wikitext import WIKITEXT, wikitext_text  # noqa: E402
+
 PERCENTILES = "50,90,99"
 
 
 def prompts_file(path: Path, count: int, words: int) -> str:
     """Prompts of `words` words from WikiText-2 test (if present) or the embedded default corpus."""
-    if WIKITEXT.exists():
-        text = WIKITEXT.read_text().replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
+    if (WIKITEXT / "test.txt").exists():
+        text = wikitext_text(WIKITEXT / "test.txt")
         source = "wikitext-2 test"
     else:
         from index_builder.default_datastore import stdlib_documents
