@@ -10,7 +10,7 @@ import numpy as np
 from knnlm_core.datastore import Manifest, read_manifest, verify_checksums
 from knnlm_core.errors import DatastoreError
 from knnlm_core.provenance import Provenance
-from knnlm_core.search import ShardSearcher, ivf_of, merge_topk, open_shards
+from knnlm_core.search import ShardSearcher, merge_topk, open_shards
 
 
 def inspect_datastore(path: str | Path, checksums: bool = True) -> Manifest:
@@ -40,10 +40,7 @@ def stored_keys(root: Path, manifest: Manifest, shard_number: int, searcher: Sha
     shard = manifest.shards[shard_number]
     if shard.keys is not None:
         return np.load(root / shard.keys.path, mmap_mode="r", allow_pickle=False)[ids].astype(np.float32)
-    ivf = ivf_of(searcher.index)
-    if ivf is not None:  # IVF lists need a direct map to reconstruct; other indexes reconstruct as is
-        ivf.make_direct_map()
-    return np.stack([searcher.index.reconstruct(int(i)) for i in ids])
+    return searcher.reconstruct(ids)
 
 
 def verify_datastore(path: str | Path, samples: int = 1000, k: int = 8, nprobe: int | None = None, seed: int = 0) -> dict:
@@ -61,7 +58,7 @@ def verify_datastore(path: str | Path, samples: int = 1000, k: int = 8, nprobe: 
         queries = stored_keys(root, manifest, s, searcher, ids)
         params = faiss.SearchParametersIVF(nprobe=nprobe) if nprobe else None
         distances, found = searcher.index.search(queries, k, params=params)
-        own = np.sum((queries - np.stack([searcher.index.reconstruct(int(i)) for i in ids])) ** 2, axis=1)
+        own = np.sum((queries - searcher.reconstruct(ids)) ** 2, axis=1)
         hits += int(np.sum((found[:, 0] == ids) | (distances[:, 0] >= own - 1e-4 * (1 + own))))
         _, tokens, _ = merge_topk([other.search(queries, k, nprobe) for other in searchers], k)
         value_hits += int(np.sum(tokens[:, 0] == searcher.values[ids]))

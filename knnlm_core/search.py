@@ -15,6 +15,7 @@ IVF indexes take their coarse step (each query's nprobe lists) the same way (`iv
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -28,6 +29,8 @@ from knnlm_core.errors import DatastoreError
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 
 def gpu_available() -> bool:
@@ -50,6 +53,9 @@ class ShardSearcher:
         if len(self.values) != index.ntotal:
             raise DatastoreError(f"shard {shard.name}: {index.ntotal} keys but {len(self.values)} values; rebuild the datastore")
         self.on_gpu = gpu_available() if use_gpu is None else use_gpu
+        if self.on_gpu and is_fast_scan(index):
+            logger.info("shard %s: faiss-gpu has no 4-bit fast-scan IVF-PQ; it is searched on the CPU", shard.name)
+            self.on_gpu = False
         self.exact = flat_keys(index, self.on_gpu)  # flat shards: searched with torch where that is faster
         self.centroids = None if self.on_gpu else ivf_centroids(index)  # IVF shards: their coarse step likewise
         if self.on_gpu and self.exact is None:
@@ -58,7 +64,7 @@ class ShardSearcher:
         self.index = index
         self.ntotal = index.ntotal
         self.dim = index.d
-        self._reconstructs = None
+        self._placed: np.ndarray | None = None  # IVF shards: each entry's (list << 32 | offset), made at the first lookup
 
     def find(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None) -> tuple[np.ndarray, ...]:
         """One step's neighbours [n, k]: rows with pointers (`pointers[i]`: candidate ids, -1 padding;
@@ -82,20 +88,100 @@ class ShardSearcher:
     def lookup(self, queries: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Score row i's candidate entries `ids[i]` (global ids, -1 padding; ids of other shards are
         left out) against query i: (distances, tokens, ids) sorted by distance, padded as search's.
-        The distance is the index's own (exact keys for Flat, the decoded codes for PQ)."""
+        The distance is the index's own: exact keys for Flat, the decoded codes for PQ, and for 4-bit
+        fast-scan PQ its own scan restricted to the candidates (`_scan_candidates`)."""
         local = np.where((ids >= self.first_id) & (ids < self.first_id + self.ntotal), ids - self.first_id, -1)
         found = local >= 0
-        if self._reconstructs is None:
-            ivf = ivf_of(self.index)
-            if ivf is not None:  # IVF lists reconstruct through a direct map (8 bytes per entry), made once
-                ivf.make_direct_map()
-            self._reconstructs = True
-        keys = np.zeros((*ids.shape, self.dim), dtype=np.float32)
-        keys[found] = self.index.reconstruct_batch(local[found].astype(np.int64))
-        distances = np.where(found, np.sum((keys - queries[:, None, :]) ** 2, axis=2), np.inf).astype(np.float32)
+        if is_fast_scan(self.index):
+            distances = self._scan_candidates(queries, local)
+        else:
+            keys = np.zeros((*ids.shape, self.dim), dtype=np.float32)
+            keys[found] = self.reconstruct(local[found])
+            distances = np.where(found, np.sum((keys - queries[:, None, :]) ** 2, axis=2), np.inf).astype(np.float32)
         order = np.argsort(distances, axis=1, kind="stable")
         tokens = np.where(found, self.values[np.maximum(local, 0)], -1).astype(np.int32)
         return tuple(np.take_along_axis(a, order, axis=1) for a in (distances, tokens, np.where(found, ids, -1)))
+
+    def reconstruct(self, local_ids: np.ndarray) -> np.ndarray:
+        """The stored keys (as the index holds them: exact for Flat, decoded codes for PQ) of this
+        shard's entries `local_ids`. FAISS 1.15 decodes 4-bit fast-scan lists wrongly (its
+        `reconstruct_from_offset` hands `sa_decode` a code without its list number and reads past
+        it), so those are unpacked here with FAISS's own code packer and decoded by the PQ."""
+        local_ids = np.asarray(local_ids, dtype=np.int64)
+        if not is_fast_scan(self.index):
+            if ivf_of(self.index) is not None:
+                self._place()  # IVF lists reconstruct through the direct map
+            return self.index.reconstruct_batch(local_ids)
+        ivf = faiss.downcast_index(ivf_of(self.index))
+        placed = self._place()[local_ids]
+        lists, offsets = placed >> 32, placed & 0xFFFFFFFF
+        packer = ivf.get_CodePacker()
+        codes = np.zeros((len(local_ids), ivf.code_size), dtype=np.uint8)
+        for row, (number, offset) in enumerate(zip(lists.tolist(), offsets.tolist())):  # offset: within the list's blocks
+            packer.unpack_1_c(ivf.invlists.get_codes(number), offset, faiss.swig_ptr(codes[row]))
+        keys = ivf.pq.decode(codes)
+        if ivf.by_residual:
+            keys += ivf.quantizer.reconstruct_batch(lists)
+        return _untransformed(self.index, keys)
+
+    def _place(self) -> np.ndarray:
+        """Each entry's place in its IVF list, (list << 32 | offset), from FAISS's direct map (8 bytes
+        an entry), made once."""
+        if self._placed is None:
+            ivf = ivf_of(self.index)
+            ivf.make_direct_map()
+            self._placed = faiss.vector_to_array(ivf.direct_map.array)
+        return self._placed
+
+    def _scan_candidates(self, queries: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """Distances [n, m] from query i to its candidate entries `local[i]` (-1: none, +inf) by a
+        fast-scan IVF-PQ's own scan of the lists holding them, restricted to them (an ID selector):
+        the distances its search gives. A row is one FAISS call: decoding the candidates instead
+        (`reconstruct`) costs a few µs each in Python, a pointer-following step ~1k of them."""
+        ivf = faiss.downcast_index(ivf_of(self.index))
+        placed = self._place()
+        vectors = _transformed(self.index, np.ascontiguousarray(queries, dtype=np.float32))
+        out = np.full(local.shape, np.inf, dtype=np.float32)
+        ptr = faiss.swig_ptr
+        for row in np.flatnonzero((local >= 0).any(axis=1)):
+            columns = np.flatnonzero(local[row] >= 0)
+            candidates = local[row, columns].astype(np.int64)
+            lists = np.unique(placed[candidates] >> 32)
+            coarse = np.sum((ivf.quantizer.reconstruct_batch(lists) - vectors[row]) ** 2, axis=1, dtype=np.float32)
+            selector = faiss.IDSelectorBatch(candidates)
+            params = faiss.SearchParametersIVF(nprobe=len(lists))
+            params.sel = selector
+            n = len(candidates)
+            distances, found = np.empty(n, np.float32), np.empty(n, np.int64)
+            ivf.search_preassigned_c(1, ptr(vectors[row]), n, ptr(lists), ptr(coarse), ptr(distances), ptr(found), False, params)
+            by_id = dict(zip(found[found >= 0].tolist(), distances[found >= 0].tolist()))
+            out[row, columns] = [by_id.get(c, np.inf) for c in candidates.tolist()]
+        return out
+
+
+def is_fast_scan(index) -> bool:
+    """Whether `index` is (or wraps) an IVF index with 4-bit fast-scan codes (`PQ{m}x4fs`)."""
+    ivf = ivf_of(index)
+    return ivf is not None and isinstance(faiss.downcast_index(ivf), faiss.IndexIVFFastScan)
+
+
+def _transforms(index) -> list:
+    if not isinstance(index, faiss.IndexPreTransform):
+        return []
+    return [faiss.downcast_VectorTransform(index.chain.at(i)) for i in range(index.chain.size())]
+
+
+def _transformed(index, vectors: np.ndarray) -> np.ndarray:
+    """`vectors` in the space of the IVF index inside `index` (through its PCA, if any)."""
+    for transform in _transforms(index):
+        vectors = transform.apply(vectors)
+    return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def _untransformed(index, vectors: np.ndarray) -> np.ndarray:
+    for transform in reversed(_transforms(index)):
+        vectors = transform.reverse_transform(vectors)
+    return vectors
 
 
 @dataclass(frozen=True)
