@@ -111,7 +111,8 @@ class KeyEncoder:
         if targets is not None:
             for i, (n, target) in enumerate(zip(lengths, targets)):
                 log_p = torch.log_softmax(out.logits[i, :n].float(), dim=-1)
-                of_target = log_p.gather(1, torch.as_tensor(target, device=log_p.device).long()[:, None])[:, 0]
+                target = torch.tensor(target, device=log_p.device).long()  # a copy: targets may be a read-only memmap
+                of_target = log_p.gather(1, target[:, None])[:, 0]
                 scores.append(torch.stack([of_target, log_p.max(dim=1).values], dim=1).cpu().numpy())
         return [keys[i, :n] for i, n in enumerate(lengths)], scores
 
