@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import sys
 import tempfile
@@ -70,6 +71,7 @@ def encode(path: Path, model_dir: Path, scored: bool) -> tuple[np.ndarray, np.nd
 
 def step_ms(index, values: np.ndarray, queries: np.ndarray, k: int, nprobe: int | None, batches: int = 30) -> float:
     """p50 ms of one decode step's search on one thread, as a shard actor here runs it."""
+    threads = faiss.omp_get_max_threads(), torch.get_num_threads()
     faiss.omp_set_num_threads(1)
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -81,8 +83,8 @@ def step_ms(index, values: np.ndarray, queries: np.ndarray, k: int, nprobe: int 
         search_index(index, values, batch, k, nprobe, exact=exact, centroids=coarse)
         if b >= 3:  # warm-up
             times.append(time.perf_counter() - start)
-    faiss.omp_set_num_threads(2)
-    torch.set_num_threads(2)
+    faiss.omp_set_num_threads(threads[0])
+    torch.set_num_threads(threads[1])
     return 1e3 * float(np.median(times))
 
 
@@ -130,7 +132,9 @@ def main() -> None:
     for code in args.codes:
         factory = f"{ivf_part},{code}"
         t0 = time.monotonic()
-        index = train_index(factory, keys[np.random.default_rng(0).choice(len(keys), min(len(keys), 262_144), replace=False)])
+        index = train_index(
+            factory, keys[np.random.default_rng(0).choice(len(keys), min(len(keys), BuildConfig().train_sample), replace=False)]
+        )
         index.add(keys)
         build_s = time.monotonic() - t0
         d, tokens, ids = search_many([(index, values, None, 0)], queries, args.k, args.nprobe, progress=True, desc=factory)
@@ -142,7 +146,7 @@ def main() -> None:
         rows.append(
             {
                 "index": factory,
-                "bytes_per_entry": index.code_size if hasattr(index, "code_size") else None,
+                "bytes_per_entry": index.code_size,
                 "build_s": round(build_s, 1),
                 "step_ms": step_ms(index, values, queries, args.k, args.nprobe),
                 "recall": float(recall),
@@ -157,7 +161,7 @@ def main() -> None:
         "benchmark": "pq_codes",
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "python " + " ".join(sys.argv),
-        "machine": {"cpu_count": len(__import__("os").sched_getaffinity(0)), "platform": platform.platform(), "faiss": faiss.__version__},
+        "machine": {"cpu_count": len(os.sched_getaffinity(0)), "platform": platform.platform(), "faiss": faiss.__version__},
         "settings": {
             "datastore": f"WikiText-2 valid, first {args.valid_chars:,} chars: {len(keys):,} entries",
             "queries": f"WikiText-2 test, first {args.test_chars:,} chars: {len(queries):,} tokens (tune 20%, report the rest)",
