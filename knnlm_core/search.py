@@ -65,7 +65,7 @@ class ShardSearcher:
         self.index = index
         self.ntotal = index.ntotal
         self.dim = index.d
-        self._placed: np.ndarray | None = None  # IVF shards: each entry's (list << 32 | offset), made at the first lookup
+        self._placed: np.ndarray | None = None  # fast-scan shards: each entry's (list << 32 | offset), made at the first lookup
 
     def find(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None) -> tuple[np.ndarray, ...]:
         """One step's neighbours [n, k]: rows with pointers (`pointers[i]`: candidate ids, -1 padding;
@@ -110,8 +110,9 @@ class ShardSearcher:
         it), so those are unpacked here with FAISS's own code packer and decoded by the PQ."""
         local_ids = np.asarray(local_ids, dtype=np.int64)
         if not self.fast_scan:
-            if ivf_of(self.index) is not None:
-                self._place()  # IVF lists reconstruct through the direct map
+            ivf = ivf_of(self.index)
+            if ivf is not None and ivf.direct_map.type == faiss.DirectMap.NoMap:
+                ivf.make_direct_map()  # IVF lists reconstruct through it (8 bytes an entry, made once)
             return self.index.reconstruct_batch(local_ids)
         ivf = faiss.downcast_index(ivf_of(self.index))
         placed = self._place()[local_ids]
@@ -126,12 +127,13 @@ class ShardSearcher:
         return _untransformed(self.index, keys)
 
     def _place(self) -> np.ndarray:
-        """Each entry's place in its IVF list, (list << 32 | offset), from FAISS's direct map (8 bytes
-        an entry), made once."""
+        """A fast-scan shard's entries' places in their IVF lists, (list << 32 | offset): a copy of
+        FAISS's direct map (8 bytes an entry), made once; the map itself is dropped."""
         if self._placed is None:
             ivf = ivf_of(self.index)
             ivf.make_direct_map()
             self._placed = faiss.vector_to_array(ivf.direct_map.array)
+            ivf.set_direct_map_type(faiss.DirectMap.NoMap)
         return self._placed
 
     def _scan_candidates(self, queries: np.ndarray, local: np.ndarray) -> np.ndarray:
