@@ -21,7 +21,8 @@ transports): the transport, per call the round trip minus the slowest shard's ow
 (what Ray adds to a step beyond the search), and ray p50 - local p50 of the same cell, which also
 counts the search running slower or faster in the actors (negative when Ray's parallel shards beat
 the in-process loop over shards; in-process searches in the compiled-graph cells share the cores
-with the graphs' polling readers).
+with the graphs' polling readers). The benchmark runs itself under the shard actors' OpenMP
+setting (`GOMP_SPINCOUNT`), so that its own idle search threads do not spin through the Ray calls.
 
 Besides the end-to-end cells, batch 32 is broken down: per-shard FAISS search, `merge_topk`, and
 the mix as the server runs it (the LM's log-softmax, then `knnlm_core.mixture.interpolate`) over a
@@ -303,6 +304,7 @@ def machine_info() -> dict:
         "faiss_omp_threads": faiss.omp_get_max_threads(),
         "faiss_compile_options": faiss.get_compile_options(),
         "torch_threads": torch.get_num_threads(),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
         "platform": platform.platform(),
         "versions": {
             "python": platform.python_version(),
@@ -560,6 +562,18 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def run_under_shard_actor_omp() -> None:
+    """Run this benchmark again under the shard actors' OpenMP spin setting (read when FAISS and
+    torch load OpenMP, hence a new process): with libgomp's default spin, this process's idle
+    search threads held a core for about a millisecond after each in-process search, during the Ray
+    call timed next to it (2 cores; transport at batch 32 with 2 shards 3.8-5.0 -> 2.2-2.3 ms)."""
+    from knnlm_serve.retrieval import SHARD_ACTOR_ENV
+
+    spin = SHARD_ACTOR_ENV["GOMP_SPINCOUNT"]
+    if os.environ.get("GOMP_SPINCOUNT") != spin:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GOMP_SPINCOUNT": spin})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--entries", type=int, default=1_000_000, help="datastore entries (default: %(default)s)")
@@ -601,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.entries < 4 * 39 * 4:
         p.error("--entries is too small for a sharded IVF-PQ datastore")
 
+    if not args.build_only and argv is None:
+        run_under_shard_actor_omp()
     started = time.monotonic()
     load_before = os.getloadavg()
     args.workdir.mkdir(parents=True, exist_ok=True)

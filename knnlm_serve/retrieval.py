@@ -132,6 +132,10 @@ class ShardActor:
         self._use_search_threads()
         return _timed(self.searcher.find, queries, k, nprobe, pointers)
 
+    def search_step(self, step: tuple):
+        """`search(*step)` for a compiled graph: one input channel for the step, not one per argument."""
+        return self.search(*step)
+
     def _use_search_threads(self) -> None:
         """Give the calling thread `_search_threads` OpenMP threads (FAISS, and torch for flat shards).
 
@@ -337,7 +341,7 @@ class RayRetriever:
         graph = self._graphs[key].get((index, replica))
         if _is_graph(graph):
             try:
-                return graph, graph.execute(*args), time.monotonic()
+                return graph, graph.execute(args), time.monotonic()
             except ray.exceptions.RayError:  # the graph was closed (its actor died): rebuild it, call plainly
                 self._drop(key, (index, replica), graph)
         return None, actors[index][replica].search.remote(*args), time.monotonic()
@@ -501,9 +505,9 @@ def compile_shard_graph(actor, dim: int):
     from ray.dag import InputNode
 
     with InputNode() as step:
-        graph = actor.search.bind(step[0], step[1], step[2], step[3]).experimental_compile()
+        graph = actor.search_step.bind(step).experimental_compile()
     try:
-        graph.execute(np.zeros((1, dim), np.float32), 1, None, None).get(timeout=GRAPH_START_TIMEOUT_S)
+        graph.execute((np.zeros((1, dim), np.float32), 1, None, None)).get(timeout=GRAPH_START_TIMEOUT_S)
     except BaseException:
         _teardown([graph])
         raise
