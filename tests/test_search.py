@@ -179,6 +179,10 @@ def check_ivf_search(shard, queries: np.ndarray, nprobe: int, k: int, subset: np
     assert np.mean(found[2] == expected[2]) > 0.999
     if subset is not None:
         assert np.all(subset[found[2][found[2] >= 0]])
+    # A row's answer does not depend on the rest of its batch (alone, FAISS's quantizer runs).
+    for row in (0, len(queries) - 1):
+        alone = search_index(shard.index, shard.values, queries[row : row + 1], k, nprobe, subset, centroids=shard.centroids)
+        assert_same_neighbours((found[0][row : row + 1], found[2][row : row + 1]), (alone[0], alone[2]), shard.values)
 
 
 def test_fast_scan_shards_decode_their_codes_and_score_pointers_as_their_search(tmp_path):
