@@ -1,0 +1,189 @@
+"""The code paths a CUDA machine takes, checked against the CPU ones and timed, on one GPU.
+
+CI has no GPU, so this is where the GPU branches of the shared code are exercised:
+  * flat shards: `flat_keys(index, on_gpu=True)` copies the keys to the GPU and `search_index`
+    searches them with torch (`torch_search`), as `ShardSearcher` does on a GPU. Checked against
+    FAISS's CPU IndexFlatL2 (the same neighbours, rank by rank, and their distances), in fp32 and
+    with TF32 matmuls allowed (`VLLM_FLOAT32_MATMUL_PRECISION=high` turns them on in vLLM's
+    workers), and timed per decode step (batch 1, 32, 256; k 1024) beside FAISS's flat search on
+    this machine's CPU;
+  * the mixture: `interpolate` on CUDA logits (where vLLM's logits live on a GPU) against the CPU;
+  * keys: `KeyEncoder` on CUDA against the CPU, for a tiny random Llama (`ffn_input` and `final`).
+Keys and queries are `retrieval_latency.py`'s synthetic clustered 576-d vectors.
+
+    python benchmarks/gpu_paths.py --out DIR     # on a CUDA machine: ~3 min, 1M keys take 2.3 GB of GPU memory
+
+Needs torch with CUDA, faiss (CPU build suffices), numpy, pydantic and transformers; not vLLM or Ray.
+Writes DIR/gpu_paths.json and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import faiss  # noqa: E402
+import torch  # noqa: E402
+from retrieval_latency import KEYS_STREAM, QUERY_STREAM, ClusteredVectors  # noqa: E402
+
+from knnlm_core.keys import KeyEncoder  # noqa: E402
+from knnlm_core.mixture import interpolate  # noqa: E402
+from knnlm_core.search import flat_keys, search_index  # noqa: E402
+
+K = 1024
+BATCHES = (1, 32, 256)
+CHUNK = 100_000
+
+
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of `fn()`; it must return host data (search_index does), so the GPU has finished."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return round(1000 * float(np.median(times)), 3)
+
+
+def agreement(distances: np.ndarray, ids: np.ndarray, ref_distances: np.ndarray, ref_ids: np.ndarray) -> dict:
+    """How far a search's answer is from FAISS's exact one: the share of its k ids FAISS also
+    returned (ties at the k-th distance may swap), and the largest distance gap rank by rank."""
+    overlap = [len(np.intersect1d(a, b)) / len(b) for a, b in zip(ids, ref_ids)]
+    gap = np.abs(distances - ref_distances)
+    return {
+        "id_overlap_min": round(float(np.min(overlap)), 5),
+        "id_overlap_mean": round(float(np.mean(overlap)), 5),
+        "max_distance_gap": float(gap.max()),
+        "max_relative_distance_gap": float((gap / np.maximum(ref_distances, 1e-6)).max()),
+    }
+
+
+def check_flat(entries: int, generator: ClusteredVectors, repeats: int) -> dict:
+    keys = np.concatenate([generator.draw(min(CHUNK, entries - s), KEYS_STREAM, s // CHUNK) for s in range(0, entries, CHUNK)])
+    values = np.arange(entries, dtype=np.int32)
+    queries = generator.draw(max(BATCHES), QUERY_STREAM, 0)
+    index = faiss.IndexFlatL2(keys.shape[1])
+    index.add(keys)
+    exact = flat_keys(index, on_gpu=True)
+    assert exact.keys.device.type == "cuda", "flat_keys did not place the keys on the GPU"
+    ref_distances, ref_ids = index.search(queries[:32], K)
+    row = {"entries": entries}
+    for precision in ("fp32", "tf32"):
+        torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+        distances, _, ids = search_index(index, values, queries[:32], K, exact=exact)
+        row[precision] = agreement(distances, ids, ref_distances, ref_ids)
+        row[precision]["ms"] = {b: median_ms(lambda: search_index(index, values, queries[:b], K, exact=exact), repeats) for b in BATCHES}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    row["faiss_cpu_ms"] = {32: median_ms(lambda: index.search(queries[:32], K), max(3, repeats // 10))}
+    return row
+
+
+def check_mixture() -> dict:
+    """`interpolate` on CUDA against the CPU: a decode step's rows, real-sized vocabulary and k."""
+    g = torch.Generator().manual_seed(0)
+    lm = torch.log_softmax(torch.randn(32, 49_152, generator=g) * 3, dim=-1)
+    distances = torch.rand(32, K, generator=g).cumsum(dim=1) * 5
+    tokens = torch.randint(0, 200, (32, K), generator=g)  # few distinct tokens: duplicates are summed
+    tokens[3] = -1  # a row with no neighbour keeps p_LM
+    tokens[5, K // 2 :] = -1  # padding past the shard's size
+    lam, tau = torch.full((32,), 0.25), torch.full((32,), 2.0)
+    cpu = interpolate(lm.clone(), distances, tokens, lam, tau)
+    on = [t.cuda() for t in (lm, distances, tokens, lam, tau)]
+    gpu = interpolate(on[0].clone(), *on[1:]).cpu()
+    finite = torch.isfinite(cpu)
+    return {
+        "max_abs_diff": float((gpu[finite] - cpu[finite]).abs().max()),
+        "same_infinities": bool(torch.equal(torch.isfinite(gpu), finite)),
+        "rows_sum_to_one": float((gpu.exp().sum(dim=1) - 1).abs().max()),
+        "ms": median_ms(lambda: interpolate(on[0].clone(), *on[1:]).sum().item(), 50),
+    }
+
+
+def check_keys() -> dict:
+    """`KeyEncoder` keys on CUDA against the CPU, for right-padded windows of different lengths."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    windows = [rng.integers(0, 1000, n).astype(np.int64) for n in (64, 17, 40)]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        LlamaForCausalLM(config).save_pretrained(tmp)
+        for key_type in ("ffn_input", "final"):
+            cpu = KeyEncoder(Path(tmp), key_type, "float32", device="cpu").encode(windows)
+            gpu = KeyEncoder(Path(tmp), key_type, "float32", device="cuda").encode(windows)
+            out[key_type] = max(float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(cpu, gpu))
+    return {"max_relative_diff": out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[17_000, 120_000, 1_000_000])
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_paths.py checks the GPU paths: torch sees no CUDA device here", file=sys.stderr)
+        return 2
+    faiss.omp_set_num_threads(faiss.omp_get_max_threads())
+    generator = ClusteredVectors(seed=0)
+    flat = []
+    for entries in args.sizes:
+        flat.append(check_flat(entries, generator, args.repeats))
+        print(f"flat {entries}: {json.dumps(flat[-1])}", flush=True)
+    result = {
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "gpu": torch.cuda.get_device_name(),
+            "cpu_threads": faiss.omp_get_max_threads(),
+            "torch": torch.__version__,
+            "faiss": faiss.__version__,
+            "python": platform.python_version(),
+        },
+        "k": K,
+        "flat_search": flat,
+        "mixture": check_mixture(),
+        "keys": check_keys(),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_paths.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"\n{result['machine']['gpu']}, k {K}: torch flat search on the GPU (ms per step) against FAISS on {result['machine']['cpu_threads']} CPU threads"
+    )
+    print("| entries | batch 1 | batch 32 | batch 256 | TF32 batch 32 | FAISS CPU batch 32 | ids as FAISS (min) | TF32 ids (min) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in flat:
+        ms, tf = row["fp32"]["ms"], row["tf32"]["ms"]
+        print(
+            f"| {row['entries']:,} | {ms[1]} | {ms[32]} | {ms[256]} | {tf[32]} | {row['faiss_cpu_ms'][32]} "
+            f"| {row['fp32']['id_overlap_min']} | {row['tf32']['id_overlap_min']} |"
+        )
+    print(f"mixture on CUDA vs CPU: {result['mixture']}")
+    print(f"keys on CUDA vs CPU: {result['keys']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
