@@ -173,3 +173,53 @@ def test_the_ffn_rule_finds_the_last_layers_block(name):
 
 def test_the_ffn_rule_finds_nothing_where_there_is_no_block():
     assert ffn_module(Decoder(None)) is None
+
+
+def test_under_cuda_graphs_key_ready_runs_between_the_captured_pieces():
+    """On a GPU, vLLM replays captured CUDA graphs, which run no Python: what the launcher asks for
+    and what the wrapper adds must leave knnlm::key_ready outside every captured piece. Checked
+    with vLLM's own argument parser, config and graph splitter (CI has no GPU to replay on)."""
+    from types import SimpleNamespace
+
+    from vllm.compilation.backends import split_graph
+    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from knnlm_core.config import ServeConfig
+    from knnlm_serve.engine.capture import KEY_READY_OP
+    from knnlm_serve.engine.vllm_adapter import eager_at_replay
+    from knnlm_serve.server.launcher import cuda_graph_flags
+
+    config = ServeConfig()
+    assert cuda_graph_flags(config, cuda=False) == []
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m", *cuda_graph_flags(config, cuda=True)])
+    compilation = args.compilation_config
+    assert compilation.cudagraph_mode == CUDAGraphMode.PIECEWISE  # no full graph replays the whole forward
+    compilation.mode = CompilationMode.VLLM_COMPILE  # what the GPU platform resolves it to
+    compilation.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    eager_at_replay(SimpleNamespace(compilation_config=compilation), KEY_READY_OP)
+
+    def forward(x, w1, w2):
+        h = torch.relu(x @ w1)
+        torch.ops.knnlm.key_ready(h)
+        return h @ w2
+
+    graph = torch.fx.symbolic_trace(forward)
+    _, pieces = split_graph(graph, compilation.splitting_ops)
+    eager = [p for p in pieces if p.is_splitting_graph]
+    assert len(pieces) == 3 and len(eager) == 1
+    assert [n.target for n in eager[0].graph.graph.nodes if n.op == "call_function"] == [torch.ops.knnlm.key_ready]
+
+
+def test_a_users_compilation_config_is_refused_on_a_gpu():
+    from knnlm_core.config import ServeConfig
+    from knnlm_core.errors import ConfigError
+    from knnlm_serve.server.launcher import cuda_graph_flags
+
+    for flag in (["--compilation-config", '{"cudagraph_mode": "FULL"}'], ["-cc.cudagraph_mode=FULL"]):
+        config = ServeConfig(vllm_args=flag)
+        with pytest.raises(ConfigError, match="compilation config .*enforce_eager"):
+            cuda_graph_flags(config, cuda=True)
+        assert cuda_graph_flags(config, cuda=False) == []
+        assert cuda_graph_flags(config.model_copy(update={"enforce_eager": True}), cuda=True) == []

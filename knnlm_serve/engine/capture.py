@@ -7,7 +7,9 @@ The model's whole output is kept too: prompt-logprob calls pass views of it.
 
 The pre-hook also calls the `knnlm::key_ready` op: opaque to Dynamo and Inductor, so it runs as
 Python at that point of every forward pass, compiled or not, and hands the FFN input to whoever
-listens (KnnLogits.key_ready, which starts the step's searches there with knn.overlap).
+listens (KnnLogits.key_ready, which starts the step's searches there with knn.overlap). Under
+CUDA graphs it is a boundary between the captured pieces (vllm_adapter.eager_at_replay), so
+replays run it too.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from knnlm_core.config import KeyType
 from knnlm_core.keys import ffn_module
 
 _listener: Callable[[torch.Tensor], None] | None = None  # one model, so one listener, per worker process
+KEY_READY_OP = "knnlm::key_ready"
 
 
 # Declared as mutating its argument, though it only reads it: the compiler keeps an op that
 # mutates and orders the FFN block after it; one without outputs or mutations would be dropped.
-@torch.library.custom_op("knnlm::key_ready", mutates_args=("ffn_input",))
+@torch.library.custom_op(KEY_READY_OP, mutates_args=("ffn_input",))
 def key_ready(ffn_input: torch.Tensor) -> None:
     if _listener is not None:
         _listener(ffn_input)

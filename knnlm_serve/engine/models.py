@@ -12,15 +12,16 @@ from functools import cache
 
 import torch
 
-from knnlm_serve.engine.capture import KeyCapture
+from knnlm_serve.engine.capture import KEY_READY_OP, KeyCapture
 from knnlm_serve.engine.plugin import SUPPORTED_ARCHITECTURES
-from knnlm_serve.engine.vllm_adapter import vllm_model_class
+from knnlm_serve.engine.vllm_adapter import eager_at_replay, vllm_model_class
 
 
 def knn_model_class(base: type[torch.nn.Module]) -> type[torch.nn.Module]:
     def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
         base.__init__(self, vllm_config=vllm_config, prefix=prefix, **kwargs)
         self.knn_capture = KeyCapture(self)  # before vLLM compiles the model: the hooks are traced in
+        eager_at_replay(vllm_config, KEY_READY_OP)
         self.knn_logits = None  # engine.knn_logits.KnnLogits, set when the worker is attached
 
     def compute_logits(self, hidden_states: torch.Tensor, *args, **kwargs):

@@ -10,7 +10,8 @@ our logits processor in each `BatchUpdate`) and the worker RPC (`--worker-extens
   * prompt-logprob calls pass a view of the model's output (a slice of `hidden[start:start+n]`),
     sampling calls a gathered copy (`hidden[logits_indices]`): told apart by storage;
   * `runner.input_batch.logitsprocs` and `runner.get_model()`: our logits processor and model.
-Plus the original model class of an architecture (`_TEXT_GENERATION_MODELS`), to wrap it.
+Plus the original model class of an architecture (`_TEXT_GENERATION_MODELS`), to wrap it, and
+one thing written: our mid-forward op added to the compilation's `splitting_ops` (`eager_at_replay`).
 `self_check` verifies each of these when a worker is attached, and fails with one line naming
 the vLLM version instead of serving wrong logits after a vLLM upgrade.
 """
@@ -60,6 +61,26 @@ def vllm_model_class(architecture: str) -> type[torch.nn.Module]:
         raise _incompatible(f"the text-generation model table has no {architecture}")
     module, name = models[architecture]
     return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
+
+
+# What the launcher asks vLLM for on a GPU: by default vLLM replays decode steps as one full CUDA
+# graph, which runs no Python, so neither the capture hooks nor knnlm::key_ready would run and
+# the keys read would be the capture run's. Piecewise graphs replay the compiled pieces and run
+# the ops between them (attention, and ours) as Python.
+PIECEWISE_CUDA_GRAPHS = {"cudagraph_mode": "PIECEWISE"}
+
+
+def eager_at_replay(vllm_config, op: str) -> None:
+    """Make `op` a boundary between vLLM's compiled pieces, so that under piecewise CUDA graphs it
+    runs in every forward pass instead of being captured once; vLLM's own models add their
+    eager-only ops the same way (bailing_moe_v3). Called while the model is built, before the
+    first forward compiles it. Only vLLM's piecewise backend splits (VLLM_COMPILE mode, with a
+    list); the CPU build traces the whole forward without CUDA graphs and needs nothing."""
+    from vllm.config import CompilationMode
+
+    compilation = vllm_config.compilation_config
+    if compilation.mode == CompilationMode.VLLM_COMPILE and compilation.splitting_ops is not None and op not in compilation.splitting_ops:
+        compilation.splitting_ops.append(op)
 
 
 def self_check(worker):

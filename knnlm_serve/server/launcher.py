@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import logging
 import os
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from knnlm_core.config import ServeConfig, load_serve_config
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for, prepare_default_model
-from knnlm_core.errors import KnnlmError, ModelError
+from knnlm_core.errors import ConfigError, KnnlmError, ModelError
 from knnlm_core.model_dir import architecture_of, check_model_dir
 
 logger = logging.getLogger("knnlm_serve")
@@ -54,6 +55,8 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     shard actors started and probed) and publish it in this process; return vLLM's extra flags.
 
     Imports prometheus_client (through our metrics) only now, after main() chose its mode."""
+    import torch
+
     from knnlm_serve.engine.plugin import SUPPORTED_ARCHITECTURES, TRACKER, vllm_environment
     from knnlm_serve.engine.vllm_adapter import EXTENSION
 
@@ -82,7 +85,25 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
     publish_registry(registry)
     os.environ.update(vllm_environment(plugins=("knnlm", "knnlm_admin")))
-    return ["--logits-processors", TRACKER, "--worker-extension-cls", EXTENSION]
+    return ["--logits-processors", TRACKER, "--worker-extension-cls", EXTENSION, *cuda_graph_flags(config, cuda=torch.cuda.is_available())]
+
+
+def cuda_graph_flags(config: ServeConfig, cuda: bool) -> list[str]:
+    """vLLM's flags for kNN under CUDA graphs: piecewise ones (vllm_adapter.PIECEWISE_CUDA_GRAPHS
+    says why). A compilation config of the user's own (`vllm_args`) could bring back full graphs
+    and wrong keys without a sign, so it is refused rather than merged."""
+    from knnlm_serve.engine.vllm_adapter import PIECEWISE_CUDA_GRAPHS
+
+    if not cuda or config.enforce_eager:
+        return []
+    own = [a for a in config.vllm_args if a.split("=", 1)[0].split(".", 1)[0] in ("--compilation-config", "-cc")]
+    if own:
+        raise ConfigError(
+            f"vllm_args sets vLLM's compilation config ({own[0]}); on a GPU knnlm-serve sets it itself for kNN "
+            f"({json.dumps(PIECEWISE_CUDA_GRAPHS)}: full CUDA graphs would skip the key capture). Remove it from "
+            "vllm_args, or set enforce_eager: true"
+        )
+    return ["--compilation-config", json.dumps(PIECEWISE_CUDA_GRAPHS)]
 
 
 def run_vllm_server(argv: list[str]) -> None:
