@@ -25,7 +25,7 @@ import faiss
 import numpy as np
 
 from knnlm_core.datastore import Manifest, ShardEntry, load_values
-from knnlm_core.errors import DatastoreError
+from knnlm_core.errors import ConfigError, DatastoreError
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +60,12 @@ class ShardSearcher:
         self.exact = flat_keys(index, self.on_gpu)  # flat shards: searched with torch where that is faster
         self.centroids = None if self.on_gpu else ivf_centroids(index)  # IVF shards: their coarse step likewise
         if self.on_gpu and self.exact is None:
+            if not gpu_available():
+                raise ConfigError(
+                    f"shard {shard.name}: knn.gpu is true but this FAISS build sees no GPU to put its "
+                    f"{type(faiss.downcast_index(index)).__name__} on (flat shards need only torch's CUDA; other indexes "
+                    "need faiss-gpu, which the GPU flavour of make setup installs): set knn.gpu to null (automatic) or false"
+                )
             self._gpu_resources = faiss.StandardGpuResources()  # must outlive the GPU index
             index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
         self.index = index

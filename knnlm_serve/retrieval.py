@@ -190,6 +190,12 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
             f"`ray start --address <head> --resources '{{\"{missing[0]}\": 1}}'`, or change knn.shard_resources",
             ErrorKind.UNAVAILABLE,
         )
+    if use_gpu and ray.cluster_resources().get("GPU", 0) < knn.gpu_fraction:
+        raise KnnlmError(
+            "knn.gpu is true but no node of the Ray cluster offers a GPU, so the shard actors could never be placed: "
+            "set knn.gpu to null (automatic) or false, or join a node with a GPU (`ray start --address <head> --num-gpus 1`)",
+            ErrorKind.UNAVAILABLE,
+        )
     actors = [
         [
             ray.remote(ShardActor)

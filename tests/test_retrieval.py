@@ -13,6 +13,7 @@ import pytest
 from index_builder.build import build_from_keys
 from knnlm_core.config import BuildConfig, KnnConfig
 from knnlm_core.datastore import ModelIdentity, read_manifest
+from knnlm_core.errors import KnnlmError
 from knnlm_serve.retrieval import LocalRetriever, RayRetriever, RetrievalError, ShardActor, start_shard_actors
 from knnlm_serve.runtime import DatastoreInfo
 
@@ -246,6 +247,14 @@ def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, grap
     finally:
         os.kill(pid, signal.SIGCONT)
         retriever.release(set())
+
+
+def test_knn_gpu_on_a_cluster_without_gpus_is_refused_instead_of_waiting_for_one(stores, ray_session):
+    if ray_session.cluster_resources().get("GPU"):
+        pytest.skip("this Ray cluster has a GPU")
+    info, _ = stores["one"]
+    with pytest.raises(KnnlmError, match="knn.gpu is true but no node of the Ray cluster offers a GPU"):
+        start_shard_actors(info, knn(gpu=True))
 
 
 def test_any_thread_that_searches_a_shard_uses_the_shard_threads(stores):

@@ -124,6 +124,28 @@ def test_memory_mapped_shards_answer_as_read_ones(tmp_path, index):
             np.testing.assert_array_equal(a, b)
 
 
+def test_knn_gpu_without_a_gpu_faiss_is_refused_for_ivf_shards_and_served_on_cpu_for_flat_ones(tmp_path):
+    """`knn.gpu: true` where FAISS sees no GPU (CI's faiss-cpu): flat shards are torch's and need
+    no faiss-gpu; an IVF shard gets an error naming the setting instead of a SWIG AttributeError."""
+    from knnlm_core.errors import ConfigError
+    from knnlm_core.search import ShardSearcher, gpu_available
+
+    if gpu_available():
+        pytest.skip("FAISS sees a GPU here")
+    rng = np.random.default_rng(5)
+    keys, values = rng.normal(size=(2000, 32)).astype(np.float32), rng.integers(0, 1000, 2000)
+    model = ModelIdentity(name="m", fingerprint="f", hidden_size=32, vocab_size=1000, dtype="float32")
+    for index in ("flat", "IVF16,PQ8"):
+        build_from_keys(keys, values, tmp_path / index, model, BuildConfig(index=index), source="test", progress=False)
+        (shard,) = read_manifest(tmp_path / index).shards
+        if index == "flat":
+            found = ShardSearcher(tmp_path / index, shard, 0, use_gpu=True).search(keys[:4], 5)
+            np.testing.assert_array_equal(found[2][:, 0], np.arange(4))
+        else:
+            with pytest.raises(ConfigError, match="knn.gpu is true .*IndexIVFPQ.*set knn.gpu to null"):
+                ShardSearcher(tmp_path / index, shard, 0, use_gpu=True)
+
+
 @pytest.mark.parametrize("batch, k", [(1, 1), (1, 32), (11, 32), (32, 256)])
 def test_bf16_preselection_finds_the_exact_neighbours(batch, k):
     """Flat shards on a CPU with native bf16 pick candidates with bf16 dot products and re-score
