@@ -7,6 +7,9 @@ CI has no GPU, so this is where the GPU branches of the shared code are exercise
     with TF32 matmuls allowed (`VLLM_FLOAT32_MATMUL_PRECISION=high` turns them on in vLLM's
     workers), and timed per decode step (batch 1, 32, 256; k 1024) beside FAISS's flat search on
     this machine's CPU;
+  * shards: `ShardSearcher(use_gpu=True)` over a two-shard flat datastore from the builder answers
+    searches and pointer lookups as the CPU one does, and an IVF shard with `use_gpu=True` is served
+    by faiss-gpu or refused with the error naming knn.gpu (faiss-cpu);
   * the mixture: `interpolate` on CUDA logits (where vLLM's logits live on a GPU) against the CPU;
   * keys: `KeyEncoder` on CUDA against the CPU, for a tiny random Llama (`ffn_input` and `final`).
 Keys and queries are `retrieval_latency.py`'s synthetic clustered 576-d vectors.
@@ -37,9 +40,13 @@ import faiss  # noqa: E402
 import torch  # noqa: E402
 from retrieval_latency import KEYS_STREAM, QUERY_STREAM, ClusteredVectors  # noqa: E402
 
+from index_builder.build import build_from_keys  # noqa: E402
+from knnlm_core.config import BuildConfig  # noqa: E402
+from knnlm_core.datastore import ModelIdentity, read_manifest  # noqa: E402
+from knnlm_core.errors import ConfigError  # noqa: E402
 from knnlm_core.keys import KeyEncoder  # noqa: E402
 from knnlm_core.mixture import interpolate  # noqa: E402
-from knnlm_core.search import flat_keys, search_index  # noqa: E402
+from knnlm_core.search import ShardSearcher, flat_keys, merge_topk, search_index, shard_first_ids  # noqa: E402
 
 K = 1024
 BATCHES = (1, 32, 256)
@@ -56,6 +63,21 @@ def median_ms(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return round(1000 * float(np.median(times)), 3)
+
+
+def kernel_ms(exact, queries: np.ndarray, repeats: int) -> float:
+    """The GPU's own work in a step (torch_search's matmul and top-k), by CUDA events: what the
+    step costs past the host's share (copies, launches, NumPy)."""
+    q = torch.from_numpy(queries).cuda()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats + 3):
+        start.record()
+        torch.topk(torch.addmm(exact.norms, q, exact.keys.T, alpha=-2), K, dim=1, largest=False, sorted=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return round(float(np.median(times[3:])), 3)
 
 
 def agreement(distances: np.ndarray, ids: np.ndarray, ref_distances: np.ndarray, ref_ids: np.ndarray) -> dict:
@@ -87,8 +109,41 @@ def check_flat(entries: int, generator: ClusteredVectors, repeats: int) -> dict:
         row[precision] = agreement(distances, ids, ref_distances, ref_ids)
         row[precision]["ms"] = {b: median_ms(lambda: search_index(index, values, queries[:b], K, exact=exact), repeats) for b in BATCHES}
     torch.backends.cuda.matmul.allow_tf32 = False
+    row["gpu_kernels_ms"] = {32: kernel_ms(exact, queries[:32], repeats)}
     row["faiss_cpu_ms"] = {32: median_ms(lambda: index.search(queries[:32], K), max(3, repeats // 10))}
     return row
+
+
+def check_shards(generator: ClusteredVectors) -> dict:
+    """What a shard actor holds on a GPU, against the same shards on the CPU."""
+    keys = generator.draw(40_000, KEYS_STREAM, 0)
+    values = np.random.default_rng(0).integers(0, 49_152, len(keys))
+    queries = generator.draw(32, QUERY_STREAM, 1)
+    pointers = np.tile(np.arange(19_990, 20_030), (32, 1))  # across the two shards' boundary
+    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=keys.shape[1], vocab_size=49_152, dtype="float32")
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for index in ("flat", "IVF256,PQ48"):
+            root = Path(tmp) / index
+            build_from_keys(
+                keys, values, root, model, BuildConfig(index=index, shards=2 if index == "flat" else 1), source="gpu_paths", progress=False
+            )
+            manifest = read_manifest(root)
+            try:
+                on = [ShardSearcher(root, s, first, use_gpu=True) for s, first in zip(manifest.shards, shard_first_ids(manifest))]
+            except ConfigError as e:
+                out[index] = {"refused": str(e)}
+                continue
+            off = [ShardSearcher(root, s, first, use_gpu=False) for s, first in zip(manifest.shards, shard_first_ids(manifest))]
+            found = [merge_topk([s.search(queries, K, 8) for s in shards], K) for shards in (on, off)]
+            followed = [merge_topk([s.find(queries, K, 8, pointers) for s in shards], K) for shards in (on, off)]
+            out[index] = {
+                "on_gpu": [s.on_gpu for s in on],
+                "keys_on": [s.exact.keys.device.type if s.exact is not None else None for s in on],
+                "search": agreement(found[0][0], found[0][2], found[1][0], found[1][2]),
+                "pointers_same": all(np.array_equal(a, b) for a, b in zip(*followed)),  # scored on the CPU either way
+            }
+    return out
 
 
 def check_mixture() -> dict:
@@ -164,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "k": K,
         "flat_search": flat,
+        "shards": check_shards(generator),
         "mixture": check_mixture(),
         "keys": check_keys(),
     }
@@ -172,14 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{result['machine']['gpu']}, k {K}: torch flat search on the GPU (ms per step) against FAISS on {result['machine']['cpu_threads']} CPU threads"
     )
-    print("| entries | batch 1 | batch 32 | batch 256 | TF32 batch 32 | FAISS CPU batch 32 | ids as FAISS (min) | TF32 ids (min) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| entries | batch 1 | batch 32 | batch 256 | GPU kernels batch 32 | TF32 batch 32 | FAISS CPU batch 32 | ids as FAISS (min) | TF32 ids (min) |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in flat:
         ms, tf = row["fp32"]["ms"], row["tf32"]["ms"]
         print(
-            f"| {row['entries']:,} | {ms[1]} | {ms[32]} | {ms[256]} | {tf[32]} | {row['faiss_cpu_ms'][32]} "
+            f"| {row['entries']:,} | {ms[1]} | {ms[32]} | {ms[256]} | {row['gpu_kernels_ms'][32]} | {tf[32]} | {row['faiss_cpu_ms'][32]} "
             f"| {row['fp32']['id_overlap_min']} | {row['tf32']['id_overlap_min']} |"
         )
+    print(f"shards on the GPU vs CPU: {result['shards']}")
     print(f"mixture on CUDA vs CPU: {result['mixture']}")
     print(f"keys on CUDA vs CPU: {result['keys']}")
     return 0
