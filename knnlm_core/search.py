@@ -16,6 +16,7 @@ IVF indexes take their coarse step (each query's nprobe lists) the same way (`iv
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -375,18 +376,35 @@ def faiss_search(
         params = faiss.SearchParameters()
     if selector is not None:
         params.sel = selector
-    if centroids is not None and coarse_by_torch(len(queries), ivf.nlist):
+    if centroids is not None and coarse_by_torch(len(queries), ivf.nlist, is_fast_scan(index)):
         return ivf_search(index, centroids, queries, min(k, index.ntotal), params)
     return index.search(queries, min(k, index.ntotal), params=params)
 
 
-def coarse_by_torch(batch: int, lists: int) -> bool:
-    """Whether `ivf_search` beats FAISS's own IVF search: on one thread, by `torch_is_faster`'s rule.
-    On more, FAISS splits the queries over its threads, coarse step and scan together, while
-    `search_preassigned` runs single-threaded, and handing a search between torch's and FAISS's
-    OpenMP thread pools costs more than it saves (1M entries, 4,096 lists, batch 32, 2 threads,
-    k 512, nprobe 16: 7.6 ms by FAISS, 11.1 this way, 7.3 when FAISS also scans in parallel)."""
-    return faiss.omp_get_max_threads() == 1 and torch_is_faster(batch, lists, "cpu")
+def coarse_by_torch(batch: int, lists: int, fast_scan: bool) -> bool:
+    """Whether `ivf_search` beats FAISS's own IVF search: where `torch_is_faster`, on one thread;
+    on more, only for 4-bit fast-scan lists in a process whose OpenMP threads stop spinning soon
+    (`omp_spins_briefly`, as in shard actors). FAISS splits the queries over its threads, coarse
+    step and scan together. `search_preassigned` scans 8-bit PQ lists on one thread, and with
+    libgomp's default spin each hand-off between torch's and FAISS's thread pools costs more than
+    it saves (1M entries, 4,096 lists, batch 32, k 512, nprobe 16, 2 threads; 8-bit: 7.6 ms by
+    FAISS, 11.1 this way; fast-scan: 3.1 by FAISS, 8.0 this way at the default spin and 2.5 at
+    GOMP_SPINCOUNT=1000, 6.1 -> 4.6 ms of CPU; 118k entries, 1,024 lists, k 64, nprobe 8: 0.78 ->
+    0.62 ms, CPU 1.5 -> 1.1)."""
+    if not torch_is_faster(batch, lists, "cpu"):
+        return False
+    return faiss.omp_get_max_threads() == 1 or (fast_scan and omp_spins_briefly())
+
+
+@cache
+def omp_spins_briefly() -> bool:
+    """Whether this process's OpenMP threads go to sleep soon after a parallel region: libgomp's
+    GOMP_SPINCOUNT at most 10k, or OMP_WAIT_POLICY=passive. Read once, as libgomp reads them when
+    it starts; shard actors start with SHARD_ACTOR_ENV's."""
+    if os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+        return True
+    spin = os.environ.get("GOMP_SPINCOUNT", "")
+    return spin.isdigit() and int(spin) <= 10_000
 
 
 def ivf_search(index, centroids: FlatKeys, queries: np.ndarray, k: int, params) -> tuple[np.ndarray, np.ndarray]:

@@ -18,6 +18,7 @@ from knnlm_core.search import (
     faiss_search,
     flat_keys,
     ivf_centroids,
+    omp_spins_briefly,
     open_shards,
     search_index,
     search_many,
@@ -167,9 +168,10 @@ def test_bf16_preselection_finds_the_exact_neighbours(batch, k):
 
 
 @pytest.mark.parametrize("factory", ["IVF1024,PQ8", "IVF1024,Flat", "IVF1024,PQ16x4fs"])
-def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory):
+def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory, monkeypatch):
     """Single-threaded IVF shards find each query's nprobe lists with torch at a decode step's batch
-    and FAISS scans them: FAISS's own answer, with a subset too, and at nprobe past the list count."""
+    and FAISS scans them: FAISS's own answer, with a subset too, and at nprobe past the list count.
+    On two threads only fast-scan shards do, and only where OpenMP's threads spin briefly."""
     rng = np.random.default_rng(4)
     centres = rng.normal(size=(64, 32)).astype(np.float32) * 3
     keys = (centres[rng.integers(0, 64, 16_000)] + rng.normal(size=(16_000, 32))).astype(np.float32)
@@ -180,17 +182,28 @@ def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory):
     assert shard.centroids is not None and len(shard.centroids.keys) == 1024
     queries = (keys[rng.integers(0, 16_000, 32)] + 0.3 * rng.normal(size=(32, 32))).astype(np.float32)
     keep = rng.random(16_000) < 0.5
+    fast_scan = factory.endswith("fs")
+    assert shard.fast_scan == fast_scan
     before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
     try:
-        assert coarse_by_torch(len(queries), 1024) and not coarse_by_torch(8, 1024)  # else FAISS's quantizer would run both times
+        faiss.omp_set_num_threads(1)
+        # else FAISS's quantizer would run both times
+        assert coarse_by_torch(len(queries), 1024, fast_scan) and not coarse_by_torch(8, 1024, fast_scan)
         for nprobe, k, subset in ((4, 100, None), (16, 1024, None), (8, 50, keep), (2000, 20, None)):
             check_ivf_search(shard, queries, nprobe, k, subset)
+        faiss.omp_set_num_threads(2)
+        omp_spins_briefly.cache_clear()
+        assert not coarse_by_torch(len(queries), 1024, fast_scan)  # libgomp's default spin
+        monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # as in shard actors (SHARD_ACTOR_ENV)
+        omp_spins_briefly.cache_clear()
+        assert coarse_by_torch(len(queries), 1024, fast_scan) == fast_scan
+        check_ivf_search(shard, queries, 16, 1024, None)
     finally:
         faiss.omp_set_num_threads(before)
+        omp_spins_briefly.cache_clear()
     assert ivf_centroids(flat_index(keys)) is None
-    if before > 1:
-        assert not coarse_by_torch(len(queries), 1024)
 
 
 def check_ivf_search(shard, queries: np.ndarray, nprobe: int, k: int, subset: np.ndarray | None) -> None:
