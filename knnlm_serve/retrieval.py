@@ -182,7 +182,8 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
     with the actor's resources, when one is or becomes available."""
     import ray
 
-    use_gpu = knn.gpu if knn.gpu is not None else gpu_available()
+    has_gpu = ray.cluster_resources().get("GPU", 0) >= knn.gpu_fraction
+    use_gpu = knn.gpu if knn.gpu is not None else gpu_available() and has_gpu  # auto: only where actors can get one
     missing = sorted(set(knn.shard_resources) - set(ray.cluster_resources()))
     if missing:
         raise KnnlmError(
@@ -190,7 +191,7 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
             f"`ray start --address <head> --resources '{{\"{missing[0]}\": 1}}'`, or change knn.shard_resources",
             ErrorKind.UNAVAILABLE,
         )
-    if use_gpu and ray.cluster_resources().get("GPU", 0) < knn.gpu_fraction:
+    if use_gpu and not has_gpu:
         raise KnnlmError(
             "knn.gpu is true but no node of the Ray cluster offers a GPU, so the shard actors could never be placed: "
             "set knn.gpu to null (automatic) or false, or join a node with a GPU (`ray start --address <head> --num-gpus 1`)",
