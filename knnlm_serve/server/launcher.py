@@ -60,6 +60,7 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     from knnlm_serve.engine.plugin import SUPPORTED_ARCHITECTURES, TRACKER, vllm_environment
     from knnlm_serve.engine.vllm_adapter import EXTENSION
 
+    graph_flags = cuda_graph_flags(config, cuda=torch.cuda.is_available())  # refused before Ray starts
     architecture = architecture_of(model_dir)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
@@ -85,7 +86,7 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
     publish_registry(registry)
     os.environ.update(vllm_environment(plugins=("knnlm", "knnlm_admin")))
-    return ["--logits-processors", TRACKER, "--worker-extension-cls", EXTENSION, *cuda_graph_flags(config, cuda=torch.cuda.is_available())]
+    return ["--logits-processors", TRACKER, "--worker-extension-cls", EXTENSION, *graph_flags]
 
 
 def cuda_graph_flags(config: ServeConfig, cuda: bool) -> list[str]:
