@@ -158,7 +158,13 @@ def ensure_datastores(
     if final.exists() and not rebuild:
         try:
             record = json.loads(record_file.read_text())
-            if record["params"] == params:
+            # The build's thread count says how fast it was built, not what: another one reuses it.
+            differ = sorted(
+                k for k in params.keys() | record["params"].keys() if k != "build_threads" and params.get(k) != record["params"].get(k)
+            )
+            if differ:
+                log(f"build: cached {final} was built with other {', '.join(differ)}; rebuilding")
+            else:
                 for n in params["shard_counts"]:
                     read_manifest(final / f"shards-{n}")
                 log(f"build: reusing {final} (built {record['created']}, {record['seconds']['total']:.0f} s)")
