@@ -10,13 +10,17 @@ CI has no GPU, so this is where the GPU branches of the shared code are exercise
   * shards: `ShardSearcher(use_gpu=True)` over a two-shard flat datastore from the builder answers
     searches and pointer lookups as the CPU one does, and an IVF shard with `use_gpu=True` is served
     by faiss-gpu or refused with the error naming knn.gpu (faiss-cpu);
+  * shard actors: `start_shard_actors` with `knn.gpu: true` (where Ray is installed): Ray gives each
+    actor a share of the GPU, and plain calls and compiled graphs answer as the in-process CPU
+    search does, timed at batch 32;
   * the mixture: `interpolate` on CUDA logits (where vLLM's logits live on a GPU) against the CPU;
   * keys: `KeyEncoder` on CUDA against the CPU, for a tiny random Llama (`ffn_input` and `final`).
 Keys and queries are `retrieval_latency.py`'s synthetic clustered 576-d vectors.
 
     python benchmarks/gpu_paths.py --out DIR     # on a CUDA machine: ~3 min, 1M keys take 2.3 GB of GPU memory
 
-Needs torch with CUDA, faiss (CPU build suffices), numpy, pydantic and transformers; not vLLM or Ray.
+Needs torch with CUDA, faiss (CPU build suffices), numpy, pydantic and transformers; Ray for the
+actors' check; not vLLM.
 Writes DIR/gpu_paths.json and prints a Markdown table.
 """
 
@@ -146,6 +150,49 @@ def check_shards(generator: ClusteredVectors) -> dict:
     return out
 
 
+def check_ray_actors(generator: ClusteredVectors, repeats: int) -> dict:
+    """What the server starts with `knn.gpu: true`: one Ray actor per shard, each on a share of the GPU."""
+    try:
+        import ray
+    except ImportError:
+        return {"skipped": "Ray is not installed here"}
+    from knnlm_core.config import KnnConfig
+    from knnlm_serve.retrieval import LocalRetriever, RayRetriever, start_shard_actors
+    from knnlm_serve.runtime import DatastoreInfo
+
+    keys = generator.draw(40_000, KEYS_STREAM, 0)
+    values = np.random.default_rng(0).integers(0, 49_152, len(keys))
+    queries = generator.draw(32, QUERY_STREAM, 1)
+    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=keys.shape[1], vocab_size=49_152, dtype="float32")
+    knn = KnnConfig(backend="ray", ray_namespace="gpu-paths", gpu=True, k=K, max_k=K, shard_timeout_s=30.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "flat"
+        build_from_keys(keys, values, root, model, BuildConfig(index="flat", shards=2), source="gpu_paths", progress=False)
+        info = DatastoreInfo.of("gpu", root, read_manifest(root))
+        ray.init(include_dashboard=False, log_to_driver=False, namespace=knn.ray_namespace)
+        try:
+            actors = start_shard_actors(info, knn)
+            described = [ray.get(a.describe.remote()) for replicas in actors for a in replicas]
+            expected = LocalRetriever(knn.model_copy(update={"gpu": False})).search(info, queries, K, None)
+            out = {"actors_on_gpu": [d["on_gpu"] for d in described], "gpu_left_after_actors": ray.available_resources().get("GPU")}
+            for transport, compiled in (("plain_calls", False), ("compiled_graphs", True)):
+                retriever = RayRetriever(knn.model_copy(update={"compiled_graphs": compiled}), None)
+                deadline = time.monotonic() + 60
+                while compiled and retriever.compiled_shards(info) != info.shards and time.monotonic() < deadline:
+                    retriever.search(info, queries[:1], 1, None)  # the first searches build the graphs
+                    time.sleep(0.2)
+                found = retriever.search(info, queries, K, None)
+                out[transport] = {
+                    **agreement(found.distances, found.ids, expected.distances, expected.ids),
+                    "transports": sorted(set(found.transports.values())),
+                    "ms": median_ms(lambda: retriever.search(info, queries, K, None), repeats),
+                }
+                retriever.release(set())
+            return out
+        finally:
+            ray.shutdown()
+
+
 def check_mixture() -> dict:
     """`interpolate` on CUDA against the CPU: a decode step's rows, real-sized vocabulary and k."""
     g = torch.Generator().manual_seed(0)
@@ -220,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "k": K,
         "flat_search": flat,
         "shards": check_shards(generator),
+        "ray_actors": check_ray_actors(generator, args.repeats),
         "mixture": check_mixture(),
         "keys": check_keys(),
     }
@@ -239,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['fp32']['id_overlap_min']} | {row['tf32']['id_overlap_min']} |"
         )
     print(f"shards on the GPU vs CPU: {result['shards']}")
+    print(f"Ray shard actors on the GPU: {result['ray_actors']}")
     print(f"mixture on CUDA vs CPU: {result['mixture']}")
     print(f"keys on CUDA vs CPU: {result['keys']}")
     return 0
