@@ -122,7 +122,7 @@ class KnnConfig(_Strict):
     )
     datastore_root: str | None = Field(None, description="admin API: datastores may be loaded only from below this directory")
     admin_token: str | None = Field(None, description="admin API token (or env KNNLM_ADMIN_TOKEN); unset = admin API disabled")
-    gpu: bool | None = Field(None, description="shards on the GPU (flat: torch; IVF: faiss-gpu); default: when faiss-gpu sees one (and Ray offers one)")
+    gpu: bool | None = Field(None, description="shards on the GPU (flat: torch; IVF: faiss-gpu); default: where faiss-gpu and Ray see one")
     gpu_fraction: float = Field(0.1, gt=0, le=1, description="share of a GPU each Ray shard actor reserves")
     shard_threads: int | None = Field(None, gt=0, description="FAISS threads per shard actor; default: the node's cores")
     mmap: bool = Field(
