@@ -376,13 +376,13 @@ def faiss_search(
         params = faiss.SearchParameters()
     if selector is not None:
         params.sel = selector
-    if centroids is not None and coarse_by_torch(len(queries), ivf.nlist, is_fast_scan(index)):
+    if centroids is not None and coarse_by_torch(len(queries), ivf):
         return ivf_search(index, centroids, queries, min(k, index.ntotal), params)
     return index.search(queries, min(k, index.ntotal), params=params)
 
 
-def coarse_by_torch(batch: int, lists: int, fast_scan: bool) -> bool:
-    """Whether `ivf_search` beats FAISS's own IVF search: where `torch_is_faster`, on one thread;
+def coarse_by_torch(batch: int, ivf) -> bool:
+    """Whether `ivf_search` beats FAISS's own IVF search over the IVF layer `ivf`: where `torch_is_faster`, on one thread;
     on more, only for 4-bit fast-scan lists in a process whose OpenMP threads stop spinning soon
     (`omp_spins_briefly`, as in shard actors). FAISS splits the queries over its threads, coarse
     step and scan together. `search_preassigned` scans 8-bit PQ lists on one thread, and with
@@ -391,9 +391,11 @@ def coarse_by_torch(batch: int, lists: int, fast_scan: bool) -> bool:
     FAISS, 11.1 this way; fast-scan: 3.1 by FAISS, 8.0 this way at the default spin and 2.5 at
     GOMP_SPINCOUNT=1000, 6.1 -> 4.6 ms of CPU; 118k entries, 1,024 lists, k 64, nprobe 8: 0.78 ->
     0.62 ms, CPU 1.5 -> 1.1)."""
-    if not torch_is_faster(batch, lists, "cpu"):
+    if not torch_is_faster(batch, ivf.nlist, "cpu"):
         return False
-    return faiss.omp_get_max_threads() == 1 or (fast_scan and omp_spins_briefly())
+    if faiss.omp_get_max_threads() == 1:
+        return True
+    return omp_spins_briefly() and isinstance(faiss.downcast_index(ivf), faiss.IndexIVFFastScan)
 
 
 @cache

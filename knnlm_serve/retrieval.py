@@ -182,9 +182,10 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
     with the actor's resources, when one is or becomes available."""
     import ray
 
-    has_gpu = ray.cluster_resources().get("GPU", 0) >= knn.gpu_fraction
+    resources = ray.cluster_resources()
+    has_gpu = resources.get("GPU", 0) >= knn.gpu_fraction
     use_gpu = knn.gpu if knn.gpu is not None else gpu_available() and has_gpu  # auto: only where actors can get one
-    missing = sorted(set(knn.shard_resources) - set(ray.cluster_resources()))
+    missing = sorted(set(knn.shard_resources) - set(resources))
     if missing:
         raise KnnlmError(
             f"knn.shard_resources names {missing}, which no node of the Ray cluster offers: start a node with "

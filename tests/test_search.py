@@ -18,6 +18,7 @@ from knnlm_core.search import (
     faiss_search,
     flat_keys,
     ivf_centroids,
+    ivf_of,
     omp_spins_briefly,
     open_shards,
     search_index,
@@ -182,23 +183,23 @@ def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory, monkeypatch)
     assert shard.centroids is not None and len(shard.centroids.keys) == 1024
     queries = (keys[rng.integers(0, 16_000, 32)] + 0.3 * rng.normal(size=(32, 32))).astype(np.float32)
     keep = rng.random(16_000) < 0.5
-    fast_scan = factory.endswith("fs")
-    assert shard.fast_scan == fast_scan
+    fast_scan, ivf = factory.endswith("fs"), ivf_of(shard.index)
+    assert shard.fast_scan == fast_scan and ivf.nlist == 1024
     before = faiss.omp_get_max_threads()
     for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
         monkeypatch.delenv(name, raising=False)
     try:
         faiss.omp_set_num_threads(1)
         # else FAISS's quantizer would run both times
-        assert coarse_by_torch(len(queries), 1024, fast_scan) and not coarse_by_torch(8, 1024, fast_scan)
+        assert coarse_by_torch(len(queries), ivf) and not coarse_by_torch(8, ivf)
         for nprobe, k, subset in ((4, 100, None), (16, 1024, None), (8, 50, keep), (2000, 20, None)):
             check_ivf_search(shard, queries, nprobe, k, subset)
         faiss.omp_set_num_threads(2)
         omp_spins_briefly.cache_clear()
-        assert not coarse_by_torch(len(queries), 1024, fast_scan)  # libgomp's default spin
+        assert not coarse_by_torch(len(queries), ivf)  # libgomp's default spin
         monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # as in shard actors (SHARD_ACTOR_ENV)
         omp_spins_briefly.cache_clear()
-        assert coarse_by_torch(len(queries), 1024, fast_scan) == fast_scan
+        assert coarse_by_torch(len(queries), ivf) == fast_scan
         check_ivf_search(shard, queries, 16, 1024, None)
     finally:
         faiss.omp_set_num_threads(before)
