@@ -126,6 +126,7 @@ class ShardActor:
             "pid": os.getpid(),
             "node": node,
             "cpus": sorted(os.sched_getaffinity(0)),
+            "nice": os.nice(0),
         }
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None = None):
@@ -504,7 +505,10 @@ DOZE_FRACTION = 0.75  # of a graph search's expected time that the caller sleeps
 # - Answers up to 4 MiB (batch 256 at k 1024) return inline with the call's reply, not through the
 #   object store (Ray's default limit is 100 KB; batch 32 at k 1024 is 512 KB): plain calls'
 #   transport 3.7-4.1 -> 2.7-3.3 ms at batch 32.
-SHARD_ACTOR_ENV = {"GOMP_SPINCOUNT": "1000", "RAY_max_direct_call_object_size": str(4 * 2**20)}
+# - Niceness 0, not the 15 Ray starts worker processes at (its job supervisor does the same): a
+#   search is on every step's critical path, and at 15 it yields its core to anything else there
+#   (the API server, the engine core, a load generator).
+SHARD_ACTOR_ENV = {"GOMP_SPINCOUNT": "1000", "RAY_max_direct_call_object_size": str(4 * 2**20), "RAY_worker_niceness": "0"}
 
 
 def compile_shard_graph(actor, dim: int):

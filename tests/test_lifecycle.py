@@ -307,9 +307,11 @@ def test_unload_and_default(server, ids):
 
 def test_shard_actors_search_off_the_models_cores(server):
     """vLLM's CPU worker binds its threads to cores and leaves the others to other processes: the
-    shard actors run on those, including the one Ray restarted after the kill above."""
+    shard actors run on those, including the one Ray restarted after the kill above, and at the
+    server's priority, not at the niceness 15 Ray starts its workers at."""
     import os
 
+    assert {s["nice"] for s in admin(server, "GET", "/health").json()["shards"]} == {os.nice(0)}
     model = {cpu for cpus in admin(server, "GET", "/health").json()["model_cpus"].values() for cpu in cpus}
     rest = set(os.sched_getaffinity(0)) - model
     if not model or not rest:

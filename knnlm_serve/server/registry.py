@@ -150,6 +150,7 @@ class DatastoreRegistry:
                     pid=described["pid"],
                     node=described["node"],
                     cpus=described["cpus"],
+                    nice=described["nice"],
                     entries=described["entries"],
                     on_gpu=described["on_gpu"],
                 )
