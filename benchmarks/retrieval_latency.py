@@ -14,7 +14,7 @@ same keys, as IVF-PQ with the project's `index_factory_string("ivfpq", entries, 
 under `--workdir` and reused when their parameters match.
 
 Each cell times the in-process backend and a Ray one in turn on the same queries: first plain
-actor calls (`knn.compiled_graphs: false`, the default transport, with no
+actor calls (`knn.compiled_graphs: false`, the default where shard actors share cores, with no
 graph on the actors), then `RayRetriever` on its compiled graphs (one per shard, torn down
 before the next layout). Ray's overhead is reported two ways (`ray_overhead_p50_ms`, both
 transports): the transport, per call the round trip minus the slowest shard's own search time
@@ -336,7 +336,7 @@ def _cpu_model() -> str | None:
 class Retrievers:
     """The project's backends behind one call, `search(backend, name, queries, k, nprobe)`: `local`
     (in-process), `ray` (RayRetriever: a Ray Compiled Graph per shard actor) and `ray_plain`
-    (RayRetriever without graphs: plain actor calls, the default transport).
+    (RayRetriever without graphs: plain actor calls, the default where shard actors share cores).
 
     The slowest shard's in-actor search time is kept per Ray call, to split Ray's time into
     search and transport."""
@@ -516,7 +516,7 @@ def overhead_summary(cells: list[dict]) -> dict:
         "what": "Ray overhead over in-process search (ms). transport: per call, the round trip minus the slowest "
         "shard's own search time in it, p50 (the fan-out, channels or object store, the wait and the merge); "
         "minus_local: ray p50 - local p50 of the same cell, which also counts the search running slower or faster "
-        "in the actors than in this process. compiled_graphs: knn.compiled_graphs true; plain_calls: the default",
+        "in the actors than in this process. compiled_graphs: knn.compiled_graphs true (the default where each shard actor has a core); plain_calls: false",
         "transport": {
             "compiled_graphs": {cell(c): c["ray"]["transport_p50_ms"] for c in cells},
             "plain_calls": {cell(c): c["plain_ray_calls"]["ray"]["transport_p50_ms"] for c in cells},

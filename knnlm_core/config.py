@@ -128,11 +128,12 @@ class KnnConfig(_Strict):
     mmap: bool = Field(
         True, description="shard indexes are memory-mapped read-only, not read: fast loads, pages shared by actors on one node"
     )
-    compiled_graphs: bool = Field(
-        False,
-        description="reach shard actors through Ray Compiled Graphs: Ray's transport 0.5 / 1.7 ms at batch 1 / 32 (k 1024) "
-        "instead of 1.8 / 3.6, but every graph's reader polls a core while it exists; for hosts with a core to spare per "
-        "shard actor",
+    compiled_graphs: bool | None = Field(
+        None,
+        description="reach shard actors through Ray Compiled Graphs: Ray's transport 0.22-0.28 / 0.80-1.26 ms at batch "
+        "1 / 32 (k 1024) instead of 1.1-1.3 / 2.1-3.1, but every graph's reader polls a core while it exists; "
+        "default: where each of a datastore version's shard actors has a core to itself (on its node, no more "
+        "actors than CPUs outside the engine's: its bound cores, or one where it binds none)",
     )
     graph_idle_s: float = Field(
         10.0,

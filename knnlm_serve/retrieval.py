@@ -225,8 +225,8 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
 class RayRetriever:
     """Fans a step's queries out to every shard in parallel and merges what comes back in time.
 
-    Plain actor calls by default. With `knn.compiled_graphs`, each shard actor serves this
-    process through its own Ray Compiled Graph (`InputNode ->
+    With `knn.compiled_graphs` (by default where each shard actor has a core to itself:
+    `_core_each`), each shard actor serves this process through its own Ray Compiled Graph (`InputNode ->
     ShardActor.search`): the queries and the answer travel through shared-memory channels instead
     of a task submission, the object store and the raylet, so a round trip costs ~0.3-0.5 ms
     instead of 3-4 ms here (the answer, 512 KB at batch 32 and k 1024, is over Ray's 100 KB
@@ -259,7 +259,10 @@ class RayRetriever:
         if not ray.is_initialized():
             ray.init(address=ray_address, namespace=knn.ray_namespace, log_to_driver=False)
         self.knn = knn
-        self.compiled = knn.compiled_graphs
+        self.compiled = knn.compiled_graphs is not False  # None: per version, where `_core_each` holds
+        self._engine_node: str | None = None
+        self._core_each_of: dict[tuple[str, int], bool] = {}  # version -> whether its actors have a core each
+        self._deciding = threading.Lock()  # one `_core_each` at a time: a version's builds ask together
         self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
         self._graphs: dict[tuple[str, int], dict[tuple[int, int], object]] = {}  # (shard, replica) -> graph or None
         self._suspect: dict[tuple[str, int, int, int], float] = {}  # (version, shard, replica) -> until when
@@ -288,6 +291,13 @@ class RayRetriever:
         graphs = self._graphs.get(info.key, {})
         ready = [[_is_graph(g) for (i, _), g in graphs.items() if i == index] for index in range(len(info.shards))]
         return [shard for shard, replicas in zip(info.shards, ready) if replicas and all(replicas)]
+
+    def plain_shards(self, info: DatastoreInfo) -> list[str]:
+        """The shards of this version whose every replica is searched through plain calls for good
+        (`knn.compiled_graphs` false, or unset and `_core_each` found no core for each)."""
+        graphs = self._graphs.get(info.key, {})
+        plain = [[not self.compiled or g is PLAIN for (i, _), g in graphs.items() if i == index] for index in range(len(info.shards))]
+        return [shard for shard, replicas in zip(info.shards, plain) if replicas and all(replicas)]
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
         return self.result(self.start(info, queries, k, nprobe, pointers))
@@ -395,6 +405,7 @@ class RayRetriever:
                 self._used.pop(key, None)
             self._suspect = {s: until for s, until in self._suspect.items() if s[:2] in keep}
             self._row_seconds = {r: t for r, t in self._row_seconds.items() if r[:2] in keep}
+            self._core_each_of = {key: each for key, each in self._core_each_of.items() if key in keep}
             self._parking = {s: teardown for s, teardown in self._parking.items() if s[0] in keep}
         if dropped:
             threading.Thread(target=_teardown, args=(dropped,), name="knnlm-graph-teardown", daemon=True).start()
@@ -433,7 +444,7 @@ class RayRetriever:
                                     target=_teardown, args=([graph],), name="knnlm-graph-teardown", daemon=True
                                 )
                                 teardown.start()
-                done = all(graph is PARKED for graphs in self._graphs.values() for graph in graphs.values())
+                done = all(graph is PARKED or graph is PLAIN for graphs in self._graphs.values() for graph in graphs.values())
                 if done:
                     self._parker = None
             if idle:
@@ -447,6 +458,44 @@ class RayRetriever:
                 return  # released, or already dropped
             graphs[slot] = None
         self._start_build(key, slot, graph)
+
+    def _core_each(self, key: tuple[str, int]) -> bool:
+        """Whether each of this version's shard actors has a core to itself, so that its graph's
+        polling reader takes no core that the engine or another actor needs: on every node, no more
+        actors than the CPUs they may run on, less the engine's on its own node (the cores vLLM
+        bound it to, or one where it binds none). Decided once a version, logged."""
+        import ray
+
+        with self._deciding:
+            if key in self._core_each_of:
+                return self._core_each_of[key]
+            if self._engine_node is None:
+                self._engine_node = ray.get_runtime_context().get_node_id()
+            with self._lock:
+                actors = [a for replicas in self._actors.get(key, []) for a in replicas]
+            described = ray.get([a.describe.remote() for a in actors], timeout=GRAPH_START_TIMEOUT_S)
+            nodes: dict[str, tuple[int, set[int]]] = {}
+            for d in described:
+                count, cpus = nodes.get(d["node"], (0, set()))
+                nodes[d["node"]] = (count + 1, cpus | set(d["cpus"]))
+            spare = {
+                node: len(cpus - self._engine_cpus(cpus)) if node == self._engine_node else len(cpus) for node, (_, cpus) in nodes.items()
+            }
+            self._core_each_of[key] = each = all(count <= spare[node] for node, (count, _) in nodes.items())
+            logger.info(
+                "%s@%s: shard actors reached through %s (actors per node %s, spare CPUs %s)",
+                *key,
+                "compiled graphs" if each else "plain calls",
+                {node[:8]: count for node, (count, _) in nodes.items()},
+                {node[:8]: n for node, n in spare.items()},
+            )
+            return each
+
+    @staticmethod
+    def _engine_cpus(node_cpus: set[int]) -> set[int]:
+        """The CPUs among `node_cpus` this engine needs: those vLLM bound it to, or one where it may run on all."""
+        bound = set(os.sched_getaffinity(0))
+        return set(sorted(node_cpus)[:1]) if node_cpus <= bound else bound & node_cpus
 
     def _start_build(self, key: tuple[str, int], slot: tuple[int, int], failed) -> None:
         name = f"knnlm-graph-{key[0]}@{key[1]}/{slot[0]}#{slot[1]}"
@@ -469,6 +518,11 @@ class RayRetriever:
                     return
                 actor = self._actors[key][slot[0]][slot[1]]
             try:
+                if self.knn.compiled_graphs is None and not self._core_each(key):
+                    with self._lock:
+                        if key in self._graphs and self._graphs[key][slot] is None:
+                            self._graphs[key][slot] = PLAIN
+                    return
                 dim = ray.get(actor.describe.remote(), timeout=GRAPH_START_TIMEOUT_S)["dim"]
                 graph = compile_shard_graph(actor, dim)
             except Exception as e:  # noqa: BLE001 - any failure: plain calls serve the actor, retry later
@@ -492,6 +546,7 @@ class RayRetriever:
 
 
 PARKED = "parked"  # a slot whose graph was torn down for idleness (None: plain calls while one is built)
+PLAIN = "plain"  # a slot served by plain calls for good: automatic compiled graphs, and no core of its own (`_core_each`)
 SUSPECT_S = 30.0  # a replica that failed is asked last for this long
 GRAPH_START_TIMEOUT_S = 60.0  # a new graph's first execution starts the actor's loop: 1.5-4 s measured here
 GRAPH_RETRY_S = 5.0  # between attempts to build a shard's graph
@@ -527,7 +582,7 @@ def compile_shard_graph(actor, dim: int):
 
 
 def _is_graph(slot) -> bool:
-    return slot is not None and slot is not PARKED
+    return slot is not None and slot is not PARKED and slot is not PLAIN
 
 
 def _teardown(graphs: list) -> None:

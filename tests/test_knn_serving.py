@@ -48,6 +48,7 @@ def knn_server(tiny_model_dir, tmp_path_factory):
         # λ ≈ 1 when the nearest key is (almost) the query itself, ≈ 0 far away
         "adaptive_lambda": {"b": {"lambda_max": 1.0, "slope": 1.0, "center": 20.0}},
         "overlap": False,  # searches after the logits, only of the rows the skip rule keeps: the reference for overlap
+        "compiled_graphs": False,  # plain actor calls: the reference for compiled graphs
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
         yield server

@@ -323,3 +323,30 @@ def test_shard_actors_search_off_the_models_cores(server):
             break
         assert time.monotonic() < deadline, shards
         time.sleep(0.5)
+
+
+def test_by_default_compiled_graphs_where_each_shard_actor_has_a_core_to_itself(server, ids):
+    """knn.compiled_graphs unset: a datastore whose shard actors have a core each outside the
+    model's answers through Ray Compiled Graphs once they are built, with the same tokens; one with
+    more actors than such cores stays on plain calls (a graph's reader polls its core)."""
+    import os
+
+    model = {cpu for cpus in admin(server, "GET", "/health").json()["model_cpus"].values() for cpu in cpus}
+    spare = len(set(os.sched_getaffinity(0)) - model) if model else len(os.sched_getaffinity(0)) - 1
+    assert admin(server, "POST", "/datastores", name="solo", path="b").status_code == 200  # one shard
+
+    def answers(name: str, transport: str) -> float:
+        return total(scrape(server), f'knnlm_shard_answers_total{{datastore="{name}",shard="shard-000",transport="{transport}"')
+
+    try:
+        deadline = time.monotonic() + 120
+        while spare >= 1 and not answers("solo", "graph"):
+            assert time.monotonic() < deadline, "no compiled-graph answers after 120 s"
+            assert complete(server, ids["prompt"], knn_datastore="solo") == ids["b"]
+        for name, expect, shards in (("solo", "b", 1), ("main", "a", 2)):
+            before = {t: answers(name, t) for t in ("graph", "call")}
+            assert complete(server, ids["prompt"], knn_datastore=name) == ids[expect]
+            grew = {t for t in before if answers(name, t) > before[t]}
+            assert grew == {"graph" if shards <= spare else "call"}, (name, spare, grew)
+    finally:
+        admin(server, "DELETE", "/datastores/solo")

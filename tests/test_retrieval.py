@@ -47,7 +47,15 @@ def stores(tmp_path_factory, ray_session):
 
 def knn(**overrides) -> KnnConfig:
     return KnnConfig(
-        **{"backend": "ray", "ray_namespace": NAMESPACE, "gpu": False, "shard_threads": 1, "shard_timeout_s": TIMEOUT_S, **overrides}
+        **{
+            "backend": "ray",
+            "ray_namespace": NAMESPACE,
+            "gpu": False,
+            "shard_threads": 1,
+            "shard_timeout_s": TIMEOUT_S,
+            "compiled_graphs": False,  # plain calls unless a test says otherwise (the default decides per version)
+            **overrides,
+        }
     )
 
 
@@ -145,6 +153,39 @@ def test_release_tears_the_graphs_down_without_waiting(stores, retriever):
     retriever.release(set())
     assert time.monotonic() - start < 0.1 and retriever.compiled_shards(info) == []
     compiled(retriever, info)
+
+
+def test_by_default_compiled_graphs_only_where_each_shard_actor_has_a_core_of_its_own(stores, ray_session):
+    """knn.compiled_graphs unset: a version's actors get graphs when, on their node, they are no
+    more than the CPUs left once the engine has one (this process binds none): every graph's
+    reader polls a core, so more of them than spare cores would take the engine's. The others
+    stay on plain calls for good, and both answer as in-process."""
+    spare = len(os.sched_getaffinity(0)) - 1
+    retriever = RayRetriever(knn(compiled_graphs=None, shard_timeout_s=5.0), None)
+    started = []
+    try:
+        for name in ("one", "two"):
+            stored, _ = stores[name]
+            info = DatastoreInfo.of(f"auto-{name}", stored.path, read_manifest(stored.path))  # its own actors
+            started.append(start_shard_actors(info, knn()))
+            expected = LocalRetriever(knn()).search(info, queries(), K, None)
+            graphs = len(info.shards) <= spare
+            # Searched until the decision is in: graphs built, or every shard on plain calls for good.
+            until(
+                lambda info=info: (
+                    retriever.search(info, queries(1), 1, None)
+                    and info.shards in (retriever.compiled_shards(info), retriever.plain_shards(info))
+                )
+            )
+            assert retriever.compiled_shards(info) == (info.shards if graphs else []), (name, spare)
+            result = retriever.search(info, queries(), K, None)
+            assert set(result.transports.values()) == {"graph" if graphs else "call"}
+            assert_same(result, expected)
+    finally:
+        retriever.release(set())
+        for actors in started:
+            for replicas in actors:
+                ray_session.kill(replicas[0])
 
 
 def test_idle_graphs_are_parked_so_their_actors_stop_polling_and_come_back_at_the_next_search(stores, ray_session):

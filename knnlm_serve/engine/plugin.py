@@ -3,7 +3,9 @@
 `register()` runs in every vLLM process. It does nothing unless `knnlm` is named explicitly in
 vLLM's plugin allowlist `VLLM_PLUGINS` (knnlm-serve and knnlm-eval do this), so plain vLLM in the
 same environment is unaffected. When named, it replaces each supported architecture by its kNN
-wrapper (engine/models.py), lazily: nothing is imported until vLLM builds the model.
+wrapper (engine/models.py), lazily: nothing is imported until vLLM builds the model, and it gives
+the `knnlm_serve` logger a handler where the process has none (vLLM spawns its engine processes,
+so the launcher's logging setup does not reach them).
 
 `KnnRequestTracker` is a V1 logits processor (vLLM's public per-request extension point): in the
 API server it validates `vllm_xargs` at admission (HTTP 400 naming the field); in the worker it
@@ -12,6 +14,7 @@ follows the persistent batch through the `BatchUpdate`s vLLM hands it. It never 
 
 from __future__ import annotations
 
+import logging
 import os
 
 from vllm.exceptions import VLLMValidationError
@@ -46,6 +49,12 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    logger = logging.getLogger("knnlm_serve")
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("knnlm-serve: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     for architecture in SUPPORTED_ARCHITECTURES:
         ModelRegistry.register_model(architecture, f"knnlm_serve.engine.models:{architecture}")
 
