@@ -42,6 +42,7 @@ import os
 import platform
 import shutil
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -499,6 +500,12 @@ def measure(args, record: dict, final: Path) -> dict:
         del retrievers
         return {"cells": cells, "breakdown": breakdown, "setup": setup}
     finally:
+        # The retrievers' background graph threads (builds, parking, teardowns) call Ray, and a call
+        # after ray.shutdown() ends this process before the results are written (seen once).
+        deadline = time.monotonic() + 60
+        for thread in threading.enumerate():
+            if thread.name.startswith("knnlm-graph"):
+                thread.join(max(0.0, deadline - time.monotonic()))
         ray.shutdown()
         log("ray: shut down")
 
