@@ -279,8 +279,9 @@ def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, grap
             took.append(time.monotonic() - start)
             assert result.failed_shards == {}, f"step {step} fell back"
             assert_same(result, expected)
-        # The first step that asks the stopped replica waits its half of the deadline, once.
-        assert max(took) < timeout / 2 + 0.5 and sorted(took)[-2] < 1.0, took
+        # The first step that asks the stopped replica waits its half of the deadline, once (1 s of
+        # slack: 2.56 s was seen once on this loaded 2-core machine; the whole deadline would be 4).
+        assert max(took) < timeout / 2 + 1.0 and sorted(took)[-2] < 1.0, took
         ray_session.kill(actors[1][1], no_restart=False)
         for _ in range(4):
             assert_same(result := retriever.search(replicated, queries(), K, None), expected)
