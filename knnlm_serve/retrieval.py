@@ -288,16 +288,18 @@ class RayRetriever:
 
     def compiled_shards(self, info: DatastoreInfo) -> list[str]:
         """The shards of this version whose every replica is searched through its compiled graph."""
-        graphs = self._graphs.get(info.key, {})
-        ready = [[_is_graph(g) for (i, _), g in graphs.items() if i == index] for index in range(len(info.shards))]
-        return [shard for shard, replicas in zip(info.shards, ready) if replicas and all(replicas)]
+        return self._shards_where(info, _is_graph)
 
     def plain_shards(self, info: DatastoreInfo) -> list[str]:
         """The shards of this version whose every replica is searched through plain calls for good
         (`knn.compiled_graphs` false, or unset and `_core_each` found no core for each)."""
+        return self._shards_where(info, lambda graph: not self.compiled or graph is PLAIN)
+
+    def _shards_where(self, info: DatastoreInfo, holds) -> list[str]:
+        """The shards of this version whose every replica's graph slot satisfies `holds`."""
         graphs = self._graphs.get(info.key, {})
-        plain = [[not self.compiled or g is PLAIN for (i, _), g in graphs.items() if i == index] for index in range(len(info.shards))]
-        return [shard for shard, replicas in zip(info.shards, plain) if replicas and all(replicas)]
+        slots = [[holds(g) for (i, _), g in graphs.items() if i == index] for index in range(len(info.shards))]
+        return [shard for shard, replicas in zip(info.shards, slots) if replicas and all(replicas)]
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
         return self.result(self.start(info, queries, k, nprobe, pointers))
