@@ -21,8 +21,10 @@ transports): the transport, per call the round trip minus the slowest shard's ow
 (what Ray adds to a step beyond the search), and ray p50 - local p50 of the same cell, which also
 counts the search running slower or faster in the actors (negative when Ray's parallel shards beat
 the in-process loop over shards; in-process searches in the compiled-graph cells share the cores
-with the graphs' polling readers). The benchmark runs itself under the shard actors' OpenMP
-setting (`GOMP_SPINCOUNT`), so that its own idle search threads do not spin through the Ray calls.
+with the graphs' polling readers). At 1 shard a bare compiled graph (`BareGraph`: the same answer
+shapes and wait, none of our code) is timed in turn with the same in-process search, so that the
+transport splits into Ray's and this host's floor and our share. The benchmark runs itself under the shard actors'
+OpenMP setting (`GOMP_SPINCOUNT`), so that its own idle search threads do not spin through the Ray calls.
 
 Besides the end-to-end cells, batch 32 is broken down: per-shard FAISS search, `merge_topk`, and
 the mix as the server runs it (the LM's log-softmax, then `knnlm_core.mixture.interpolate`) over a
@@ -383,6 +385,50 @@ class Retrievers:
         self.backends["ray"].release(set())
 
 
+class BareGraph:
+    """Ray's own floor: a compiled graph to an actor started like a shard actor that answers with
+    arrays of a search's shape (distances, tokens, ids) after busy-waiting as long as the shard's
+    search took, with none of our code on either side. It splits a 1-shard cell's transport into
+    what Ray and this host cost (wake-ups, channels, serialization) and what is ours (the doze,
+    copies, merge, bookkeeping). Timed after the cell's own graph is torn down: each graph's
+    reader polls a core, and two would slow each other's searches."""
+
+    def __init__(self):
+        import ray
+        from ray.dag import InputNode
+
+        from knnlm_serve.retrieval import SHARD_ACTOR_ENV
+
+        self.actor = ray.remote(_BareShard).options(num_cpus=0, runtime_env={"env_vars": SHARD_ACTOR_ENV}).remote()
+        with InputNode() as step:
+            self.graph = self.actor.step.bind(step).experimental_compile()
+        self.graph.execute((np.zeros((1, DIM), np.float32), 1, 0.0)).get()
+
+    def search(self, queries: np.ndarray, k: int, seconds: float) -> None:
+        self.graph.execute((queries, k, seconds)).get()
+
+    def close(self) -> None:
+        import ray
+
+        self.graph.teardown()
+        ray.kill(self.actor)
+
+
+class _BareShard:
+    def __init__(self):
+        self.answers: dict[tuple[int, int], tuple] = {}
+
+    def step(self, step: tuple) -> tuple:
+        queries, k, seconds = step
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            pass
+        shape = (len(queries), k)
+        if shape not in self.answers:  # a search's answer, made once: the floor copies no more than Ray does
+            self.answers[shape] = (np.ones(shape, np.float32), np.ones(shape, np.int32), np.ones(shape, np.int64))
+        return (*self.answers[shape], seconds)
+
+
 def measure_cell(retrievers: Retrievers, backends: tuple[str, str], name: str, batch: int, repeats: int, pool, warmup: int) -> dict:
     """In-process vs one Ray backend on the same queries, in turn: each one's stats and the Ray overhead."""
     local, ray_backend = backends
@@ -399,6 +445,15 @@ def measure_cell(retrievers: Retrievers, backends: tuple[str, str], name: str, b
     out["ray_overhead_p50_ms"] = round(out["ray"]["p50_ms"] - out["local"]["p50_ms"], 3)
     out["ray_overhead_mean_ms"] = round(out["ray"]["mean_ms"] - out["local"]["mean_ms"], 3)
     return out
+
+
+def measure_floor(retrievers: Retrievers, bare: BareGraph, name: str, cell: dict, repeats: int, pool, warmup: int) -> float:
+    """Ray's own transport p50 (ms) in a 1-shard cell's setting: the bare graph, waiting as long as
+    the cell's shard searched, timed in turn with the same in-process search as the cell."""
+    seconds = cell["ray"]["slowest_shard_search_p50_ms"] / 1e3
+    fns = {"local": retrievers.caller("local"), "bare": lambda _name, queries, k, _nprobe: bare.search(queries, k, seconds)}
+    samples = timed_in_turn(fns, lambda: (name, pool.next(cell["batch"]), K, NPROBE), warmup, repeats)
+    return round(float(np.percentile((np.asarray(samples["bare"]) - seconds) * 1e3, 50)), 3)
 
 
 def measure(args, record: dict, final: Path) -> dict:
@@ -451,10 +506,17 @@ def measure(args, record: dict, final: Path) -> dict:
                 cell["plain_ray_calls"] = plain[batch]
                 log(
                     f"cell shards={n} batch={batch}: local p50 {cell['local']['p50_ms']:.2f} ms, ray p50 {cell['ray']['p50_ms']:.2f} ms "
-                    f"(+{cell['ray_overhead_p50_ms']:.2f}); before, plain calls: +{plain[batch]['ray_overhead_p50_ms']:.2f} ms"
+                    f"(+{cell['ray_overhead_p50_ms']:.2f}), transport {cell['ray']['transport_p50_ms']:.2f} ms; "
+                    f"before, plain calls: +{plain[batch]['ray_overhead_p50_ms']:.2f} ms"
                 )
                 cells.append(cell)
             retrievers.release_graphs()
+            if n == 1:  # one graph to one actor: the floor of the 1-shard cells
+                bare = BareGraph()
+                for cell, repeats in zip(cells[-len(args.batch_sizes) :], args.repeats):
+                    cell["bare_graph_transport_p50_ms"] = measure_floor(retrievers, bare, name, cell, repeats, pool, args.warmup)
+                    log(f"cell shards=1 batch={cell['batch']}: a bare graph's transport {cell['bare_graph_transport_p50_ms']:.2f} ms")
+                bare.close()
 
         # Where a batch-32 step's time goes: FAISS per shard, merge, interpolation.
         bb = args.breakdown_batch
@@ -523,10 +585,13 @@ def overhead_summary(cells: list[dict]) -> dict:
         "what": "Ray overhead over in-process search (ms). transport: per call, the round trip minus the slowest "
         "shard's own search time in it, p50 (the fan-out, channels or object store, the wait and the merge); "
         "minus_local: ray p50 - local p50 of the same cell, which also counts the search running slower or faster "
-        "in the actors than in this process. compiled_graphs: knn.compiled_graphs true (the default where each shard actor has a core); plain_calls: false",
+        "in the actors than in this process. compiled_graphs: knn.compiled_graphs true (the default where each shard actor has a core); plain_calls: false; "
+        "bare_graph (1 shard): Ray's own floor, a compiled graph to an actor that returns arrays of the answer's shape after "
+        "busy-waiting the shard's search time, timed in turn with the same in-process search: compiled_graphs minus bare_graph is our code's share",
         "transport": {
             "compiled_graphs": {cell(c): c["ray"]["transport_p50_ms"] for c in cells},
             "plain_calls": {cell(c): c["plain_ray_calls"]["ray"]["transport_p50_ms"] for c in cells},
+            "bare_graph": {cell(c): c["bare_graph_transport_p50_ms"] for c in cells if "bare_graph_transport_p50_ms" in c},
         },
         "minus_local": {
             "compiled_graphs": {cell(c): c["ray_overhead_p50_ms"] for c in cells},
@@ -557,6 +622,13 @@ def markdown(report: dict) -> str:
                 f"{cell['ray_overhead_p50_ms']:+.2f}",
             ]
         lines.append("| " + " | ".join(row) + " |")
+    bare = report["ray_overhead_p50_ms"]["transport"]["bare_graph"]
+    if bare:
+        lines += [
+            "",
+            "Ray's own floor at 1 shard (a bare compiled graph: the same answer shapes and wait, in turn with in-process search), "
+            "transport p50 ms: " + ", ".join(f"{key.split(',')[1]} {ms:.2f}" for key, ms in bare.items()),
+        ]
     b = report["breakdown"]
     lines += [
         "",
