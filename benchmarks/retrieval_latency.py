@@ -576,7 +576,7 @@ def measure(args, record: dict, final: Path) -> dict:
 
 
 def overhead_summary(cells: list[dict]) -> dict:
-    """Ray's overhead per cell, for the compiled graphs and for plain calls (the default), two ways."""
+    """Ray's overhead per cell, for the compiled graphs and for plain calls, two ways, and Ray's own floor at 1 shard."""
 
     def cell(c: dict) -> str:
         return f"shards={c['shards']},batch={c['batch']}"
