@@ -6,6 +6,7 @@ empty index is cloned for every shard, so all shards share one coarse quantizer 
 
 from __future__ import annotations
 
+import logging
 import math
 
 import faiss
@@ -13,6 +14,8 @@ import numpy as np
 
 from knnlm_core.errors import ConfigError
 from knnlm_core.search import gpu_available, ivf_of
+
+logger = logging.getLogger("index_builder")
 
 PRESETS = ("auto", "flat", "ivfpq", "hnsw")
 # `--index auto`: exact below this many entries, IVF-PQ above: exact while its search costs at
@@ -29,6 +32,7 @@ DEFAULT_NPROBE = 32
 # assignment picks, ef 128 99% at 5.8k keys/s; exhaustive assignment (BLAS) runs at 11k keys/s,
 # so the presets keep the flat quantizer at the sizes measured here.
 HNSW_QUANTIZER_EF_SEARCH = 128
+OUTLIER_PEAK_FACTOR = 2.0  # see typical_keys
 
 
 def index_factory_string(preset: str, entries: int, dim: int, pca_dim: int | None = None) -> str:
@@ -60,8 +64,24 @@ def needs_training(factory: str, dim: int) -> bool:
     return not faiss.index_factory(dim, factory, faiss.METRIC_L2).is_trained
 
 
+def typical_keys(sample: np.ndarray) -> np.ndarray:
+    """The training sample without its outlier keys: those whose largest |value| is over
+    OUTLIER_PEAK_FACTOR x the sample's 99.9th percentile of it. A transformer gives the first
+    position of a sequence a massive activation (SmolLM2's ffn_input: 31.5 in one dimension, every
+    other key under 7.9). Trained on, such a key took a PQ centroid of its own, whose distance table
+    spanned ~2000x the others'. Fast-scan PQ rounds all tables to 8 bits on one scale, so every
+    other sub-quantizer rounded to 0 and all neighbours came back at one distance. The key is still
+    added and searched."""
+    peak = np.abs(sample).max(axis=1)
+    keep = peak <= OUTLIER_PEAK_FACTOR * np.quantile(peak, 0.999)
+    if not keep.all():
+        logger.info("train: %d outlier key(s) left out (largest |value| %.1f)", int((~keep).sum()), float(peak.max()))
+    return sample[keep]
+
+
 def train_index(factory: str, sample: np.ndarray, seed: int = 0) -> faiss.Index:
-    """A trained, empty index; IVF training runs on the GPU when faiss-gpu sees one."""
+    """A trained, empty index (on the sample's `typical_keys`); IVF training runs on the GPU when
+    faiss-gpu sees one."""
     index = faiss.index_factory(sample.shape[1], factory, faiss.METRIC_L2)
     if index.is_trained:
         return index
@@ -73,5 +93,5 @@ def train_index(factory: str, sample: np.ndarray, seed: int = 0) -> faiss.Index:
             quantizer.hnsw.efSearch = HNSW_QUANTIZER_EF_SEARCH
         if gpu_available():
             ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
-    index.train(np.ascontiguousarray(sample, dtype=np.float32))
+    index.train(np.ascontiguousarray(typical_keys(sample), dtype=np.float32))
     return index

@@ -141,6 +141,26 @@ def test_ivfpq_build_trains_once_and_searches(corpus, tiny_model_dir, tmp_path):
     assert DatastoreInfo.of("ds", tmp_path / "ds", manifest).nprobe == cal.nprobe
 
 
+def test_one_outlier_key_does_not_collapse_a_fast_scan_stores_distances(tmp_path):
+    """A transformer gives a sequence's first position a massive activation, so a corpus's first
+    key can be an outlier. Trained on, it took a PQ centroid of its own and fast-scan's 8-bit
+    distance tables rounded every other sub-quantizer to 0: neighbours came back at one distance.
+    The builder trains without such keys; the outlier is still stored and found."""
+    from index_builder.build import build_from_keys
+    from knnlm_core.datastore import ModelIdentity
+
+    rng = np.random.default_rng(0)
+    keys, values = rng.normal(size=(4000, 64)).astype(np.float32), rng.integers(0, 1000, 4000)
+    keys[0, 5] = 40.0  # about what SmolLM2's first position carries against its other keys
+    model = ModelIdentity(name="m", fingerprint="f", hidden_size=64, vocab_size=1000, dtype="float32")
+    build_from_keys(keys, values, tmp_path / "ds", model, BuildConfig(index="IVF8,PQ16x4fs"), source="test", progress=False)
+    (shard,) = open_shards(tmp_path / "ds", read_manifest(tmp_path / "ds"), use_gpu=False)
+    distances, _, ids = shard.search(keys[1:33], 10, 4)
+    assert np.median([len(np.unique(row)) for row in distances]) >= 8  # one distance for many neighbours was the collapse
+    assert np.mean([i in set(row) for i, row in zip(range(1, 33), ids)]) > 0.9
+    assert 0 in set(shard.search(keys[:1], 10, 8)[2][0])
+
+
 def test_an_ivfpq_store_with_an_hnsw_coarse_quantizer_serves(corpus, tiny_model_dir, tmp_path):
     """The structure of the 10M scale store at a size a test can build: the graph's search beam
     survives the files, and a memory-mapped shard answers as a read one."""
