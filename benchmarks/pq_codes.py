@@ -132,7 +132,7 @@ def main() -> None:
     for code in args.codes:
         factory = f"{ivf_part},{code}"
         t0 = time.monotonic()
-        index = train_index(
+        index, _ = train_index(
             factory, keys[np.random.default_rng(0).choice(len(keys), min(len(keys), BuildConfig().train_sample), replace=False)]
         )
         index.add(keys)

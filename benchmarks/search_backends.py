@@ -76,7 +76,7 @@ def backends(keys: np.ndarray) -> dict:
     ivfpq = index_factory_string("ivfpq", len(keys), DIM)
     for name, factory in (("IVF-Flat", ivfpq.split(",")[0] + ",Flat"), ("IVF-PQ", ivfpq)):
         start = time.perf_counter()
-        index = train_index(factory, sample)
+        index, _ = train_index(factory, sample)
         index.add(keys)
         params = faiss.SearchParametersIVF(nprobe=DEFAULT_NPROBE)
         out[f"{name} (nprobe {DEFAULT_NPROBE})"] = (

@@ -290,12 +290,12 @@ def _train(work: Path, keys: np.ndarray, factory: str, config: BuildConfig, prog
     sample = np.asarray(keys[np.sort(rng.choice(len(keys), n, replace=False))], dtype=np.float32)
     logger.info("train: %s on %s keys ...", factory, f"{n:,}")
     t0 = time.monotonic()
-    index = train_index(factory, sample, seed=config.seed)
+    index, trained_on = train_index(factory, sample, seed=config.seed)
     faiss.write_index(index, str(work / ".trained.faiss.tmp"))
     os.replace(work / ".trained.faiss.tmp", trained)
-    write_json_atomic(work / "trained.json", {"train_size": n})
+    write_json_atomic(work / "trained.json", {"train_size": trained_on})
     logger.info("train: done in %.1f s", time.monotonic() - t0)
-    return n
+    return trained_on
 
 
 def _add_shards(work: Path, keys: np.ndarray, values: np.ndarray, config: BuildConfig, progress: bool) -> list[ShardEntry]:

@@ -79,12 +79,12 @@ def typical_keys(sample: np.ndarray) -> np.ndarray:
     return sample[keep]
 
 
-def train_index(factory: str, sample: np.ndarray, seed: int = 0) -> faiss.Index:
-    """A trained, empty index (on the sample's `typical_keys`); IVF training runs on the GPU when
-    faiss-gpu sees one."""
+def train_index(factory: str, sample: np.ndarray, seed: int = 0) -> tuple[faiss.Index, int]:
+    """A trained, empty index and how many keys it was trained on (the sample's `typical_keys`; 0
+    where the factory needs no training). IVF training runs on the GPU when faiss-gpu sees one."""
     index = faiss.index_factory(sample.shape[1], factory, faiss.METRIC_L2)
     if index.is_trained:
-        return index
+        return index, 0
     ivf = ivf_of(index)
     if ivf is not None:
         ivf.cp.seed = seed
@@ -93,5 +93,6 @@ def train_index(factory: str, sample: np.ndarray, seed: int = 0) -> faiss.Index:
             quantizer.hnsw.efSearch = HNSW_QUANTIZER_EF_SEARCH
         if gpu_available():
             ivf.clustering_index = faiss.index_cpu_to_all_gpus(faiss.IndexFlatL2(ivf.d))
-    index.train(np.ascontiguousarray(typical_keys(sample), dtype=np.float32))
-    return index
+    typical = np.ascontiguousarray(typical_keys(sample), dtype=np.float32)
+    index.train(typical)
+    return index, len(typical)

@@ -154,7 +154,9 @@ def test_one_outlier_key_does_not_collapse_a_fast_scan_stores_distances(tmp_path
     keys[0, 5] = 40.0  # about what SmolLM2's first position carries against its other keys
     model = ModelIdentity(name="m", fingerprint="f", hidden_size=64, vocab_size=1000, dtype="float32")
     build_from_keys(keys, values, tmp_path / "ds", model, BuildConfig(index="IVF8,PQ16x4fs"), source="test", progress=False)
-    (shard,) = open_shards(tmp_path / "ds", read_manifest(tmp_path / "ds"), use_gpu=False)
+    manifest = read_manifest(tmp_path / "ds")
+    assert manifest.index.train_size == len(keys) - 1  # the manifest says what the quantizers saw
+    (shard,) = open_shards(tmp_path / "ds", manifest, use_gpu=False)
     distances, _, ids = shard.search(keys[1:33], 10, 4)
     assert np.median([len(np.unique(row)) for row in distances]) >= 8  # one distance for many neighbours was the collapse
     assert np.mean([i in set(row) for i, row in zip(range(1, 33), ids)]) > 0.9
