@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     inspect.add_argument("datastore")
     inspect.add_argument("--no-checksums", action="store_true", help="skip re-hashing the shard files")
 
-    verify = commands.add_parser("verify", help="search sampled stored keys; report recall@1")
+    verify = commands.add_parser("verify", help="search sampled stored keys; report recall@1 and tied distances (exit 1 on a problem)")
     verify.add_argument("datastore")
     verify.add_argument("--samples", type=int, default=1000)
     verify.add_argument("--nprobe", type=int)
@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "verify":
             from index_builder.verify import verify_datastore
 
-            print(json.dumps(verify_datastore(args.datastore, samples=args.samples, nprobe=args.nprobe), indent=2))
+            report = verify_datastore(args.datastore, samples=args.samples, nprobe=args.nprobe)
+            print(json.dumps(report, indent=2))
+            if report["problems"]:
+                sys.exit("\n".join(f"knnlm-index: {args.datastore}: {problem}" for problem in report["problems"]))
     except KnnlmError as e:
         sys.exit(f"knnlm-index: error: {e}")
 

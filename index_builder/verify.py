@@ -43,15 +43,22 @@ def stored_keys(root: Path, manifest: Manifest, shard_number: int, searcher: Sha
     return searcher.reconstruct(ids)
 
 
+TIED_DISTANCES_LIMIT = 0.5  # see verify_datastore
+
+
 def verify_datastore(path: str | Path, samples: int = 1000, k: int = 8, nprobe: int | None = None, seed: int = 0) -> dict:
     """Search sampled stored keys. recall@1: the entry itself is (tied for) the nearest in its
-    shard; value@1: the merged global top-1 carries the entry's own next token."""
+    shard; value@1: the merged global top-1 carries the entry's own next token; distinct
+    distances: the median share of distinct values among a sample's k neighbours' distances. A
+    sound store's neighbours lie at distinct distances; an index whose quantizers were trained on
+    an outlier key (`typical_keys`) returned one distance for all of them, which recall@1's "tied
+    for" cannot see. `problems` lists what is wrong, empty when nothing is."""
     root = Path(path)
     manifest = read_manifest(root)
     searchers = open_shards(root, manifest, use_gpu=False)
     nprobe = nprobe or manifest.index.nprobe
     rng = np.random.default_rng(seed)
-    hits, value_hits, top1_distances, total = 0, 0, [], 0
+    hits, value_hits, top1_distances, distinct, total = 0, 0, [], [], 0
     per_shard = max(1, samples // len(searchers))
     for s, searcher in enumerate(searchers):
         ids = np.sort(rng.choice(searcher.ntotal, min(per_shard, searcher.ntotal), replace=False))
@@ -63,14 +70,26 @@ def verify_datastore(path: str | Path, samples: int = 1000, k: int = 8, nprobe: 
         _, tokens, _ = merge_topk([other.search(queries, k, nprobe) for other in searchers], k)
         value_hits += int(np.sum(tokens[:, 0] == searcher.values[ids]))
         top1_distances.append(distances[:, 0])
+        distinct += [len(np.unique(row[hit >= 0])) / max(int(np.sum(hit >= 0)), 1) for row, hit in zip(distances, found)]
         total += len(ids)
+    distinct_share = float(np.median(distinct))
+    problems = []
+    if distinct_share < TIED_DISTANCES_LIMIT:
+        problems.append(
+            f"a sampled key's {k} nearest neighbours come back at {distinct_share:.0%} distinct distances (median): "
+            "the index's quantizers were trained on an outlier key (a build before knnlm-index left them out); "
+            "rebuild it with `knnlm-index build --overwrite`"
+        )
     return {
         "datastore": str(root),
         "provenance": provenance_summary(root, manifest),
         "samples": total,
         "recall_at_1": hits / total,
         "value_at_1": value_hits / total,
+        "distinct_distances_at_k": distinct_share,
         "mean_top1_distance": float(np.mean(np.concatenate(top1_distances))),
         "index": manifest.index.factory,
         "nprobe": nprobe,
+        "k": k,
+        "problems": problems,
     }

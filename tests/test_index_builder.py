@@ -141,11 +141,13 @@ def test_ivfpq_build_trains_once_and_searches(corpus, tiny_model_dir, tmp_path):
     assert DatastoreInfo.of("ds", tmp_path / "ds", manifest).nprobe == cal.nprobe
 
 
-def test_one_outlier_key_does_not_collapse_a_fast_scan_stores_distances(tmp_path):
+def test_one_outlier_key_does_not_collapse_a_fast_scan_stores_distances(tmp_path, monkeypatch):
     """A transformer gives a sequence's first position a massive activation, so a corpus's first
     key can be an outlier. Trained on, it took a PQ centroid of its own and fast-scan's 8-bit
     distance tables rounded every other sub-quantizer to 0: neighbours came back at one distance.
-    The builder trains without such keys; the outlier is still stored and found."""
+    The builder trains without such keys; the outlier is still stored and found. `knnlm-index
+    verify` tells a store built the old way (trained on every key) from a sound one."""
+    import index_builder.faiss_index
     from index_builder.build import build_from_keys
     from knnlm_core.datastore import ModelIdentity
 
@@ -161,6 +163,15 @@ def test_one_outlier_key_does_not_collapse_a_fast_scan_stores_distances(tmp_path
     assert np.median([len(np.unique(row)) for row in distances]) >= 8  # one distance for many neighbours was the collapse
     assert np.mean([i in set(row) for i, row in zip(range(1, 33), ids)]) > 0.9
     assert 0 in set(shard.search(keys[:1], 10, 8)[2][0])
+    assert verify_datastore(tmp_path / "ds", samples=200)["problems"] == []
+    assert knnlm_index("verify", str(tmp_path / "ds"), "--samples", "200").returncode == 0
+
+    monkeypatch.setattr(index_builder.faiss_index, "typical_keys", lambda sample: sample)  # the builder before the fix
+    build_from_keys(keys, values, tmp_path / "old", model, BuildConfig(index="IVF8,PQ16x4fs"), source="test", progress=False)
+    assert read_manifest(tmp_path / "old").index.train_size == len(keys)
+    result = knnlm_index("verify", str(tmp_path / "old"), "--samples", "200")
+    assert result.returncode == 1 and "distinct distances" in result.stderr and "knnlm-index build --overwrite" in result.stderr
+    assert json.loads(result.stdout)["distinct_distances_at_k"] < 0.5
 
 
 def test_an_ivfpq_store_with_an_hnsw_coarse_quantizer_serves(corpus, tiny_model_dir, tmp_path):
