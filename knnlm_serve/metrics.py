@@ -25,6 +25,13 @@ RETRIEVAL_WAIT_SECONDS = Histogram(
     ["datastore"],
     buckets=_LATENCY_BUCKETS,
 )
+STEP_SECONDS = Histogram(
+    "knnlm_step_seconds",
+    "one logits computation's whole kNN work on the step's path, over every datastore it served: planning, "
+    "log-softmax and skip rule, keys, pointer candidates, sending and waiting for searches, mix (with knn.overlap, "
+    "also what ran mid-forward); its sum over a run's wall time is the share of the engine's time kNN took",
+    buckets=_LATENCY_BUCKETS,
+)
 INTERPOLATION_SECONDS = Histogram(
     "knnlm_interpolation_seconds",
     "one step's p_kNN scatter and log-space mix for one datastore",

@@ -116,6 +116,13 @@ def test_metrics_count_every_knn_step(server, ids):
         before, 'knnlm_retrieval_wait_seconds_sum{datastore="main"}'
     )
     assert waits == steps and 0 < wait_sum < latency_sum
+    # All of kNN's work on each step's path: one observation per step, holding the wait and the mix.
+    step_count = total(after, "knnlm_step_seconds_count") - total(before, "knnlm_step_seconds_count")
+    step_sum = total(after, "knnlm_step_seconds_sum") - total(before, "knnlm_step_seconds_sum")
+    mix_sum = total(after, 'knnlm_interpolation_seconds_sum{datastore="main"}') - total(
+        before, 'knnlm_interpolation_seconds_sum{datastore="main"}'
+    )
+    assert step_count == steps and wait_sum + mix_sum < step_sum < 1.0 * steps
     assert total(after, "knnlm_shard_search_seconds_count") > 0
 
 

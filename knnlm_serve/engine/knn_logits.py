@@ -19,6 +19,7 @@ vLLM computes sample and prompt logprobs from what this returns, so clients see 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +51,7 @@ class StepPlan:
     groups: dict[tuple[str, int], list[int]]
     versions: dict[tuple[str, int], DatastoreInfo]
     started: dict[tuple[str, int], PendingRows | None] = field(default_factory=dict)  # searches begun mid-forward
+    seconds: float = 0.0  # kNN work on the step's path before `__call__` (mid-forward, key_ready)
 
 
 class KnnLogits:
@@ -76,6 +78,7 @@ class KnnLogits:
         self._begun = None
         if not self.runtime.knn.overlap:
             return
+        began = time.perf_counter()
         rows = self.step.sampling_rows()
         if rows is None:
             return
@@ -86,9 +89,11 @@ class KnnLogits:
                 continue
             keys = ffn_input[torch.as_tensor(rows.token_index[group], device=ffn_input.device)]
             plan.started[key] = self._start(plan, group, info, keys) if self.step.tp_rank == 0 else None
+        plan.seconds = time.perf_counter() - began
         self._begun = plan
 
     def __call__(self, logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        called = time.perf_counter()
         rows = self.step.rows_of(hidden_states, self.capture.hidden)
         begun, self._begun = self._begun, None
         if rows is None:  # vLLM's warm-up and profiling calls
@@ -128,6 +133,7 @@ class KnnLogits:
                     requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))
         if evidence:
             evidence.record(self.explanations, requests)
+        metrics.STEP_SECONDS.observe(plan.seconds + time.perf_counter() - called)
         return logits
 
     def _drain(self, plan: StepPlan) -> None:
