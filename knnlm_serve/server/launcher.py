@@ -170,6 +170,12 @@ def main(argv: list[str] | None = None) -> None:
         argv = vllm_server_argv(config, str(model_dir))
         if config.knn.datastores:
             argv += start_knn(config, model_dir)
+        else:
+            logger.warning(
+                "no knn.datastores configured%s: serving the plain LM, without kNN or the admin API; "
+                "`knnlm-serve --config configs/default.yaml` serves the embedded datastore",
+                "" if args.config else " (no --config given)",
+            )
     except KnnlmError as e:
         sys.exit(f"knnlm-serve: error: {e}")
     run_vllm_server(argv)
