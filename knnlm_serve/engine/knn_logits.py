@@ -30,7 +30,7 @@ from knnlm_serve import metrics
 from knnlm_serve.engine.batch_requests import BatchRequest, BatchRequests, LastNeighbours
 from knnlm_serve.engine.capture import KeyCapture
 from knnlm_serve.engine.explanations import Evidence, ExplanationLog
-from knnlm_serve.engine.knn_mixer import KnnMixer, Neighbours, PendingRows
+from knnlm_serve.engine.knn_mixer import KnnMixer, Neighbours, PendingRows, take_rows
 from knnlm_serve.engine.request_params import KnnParams
 from knnlm_serve.engine.rows import LogitsRows
 from knnlm_serve.retrieval import make_retriever
@@ -127,7 +127,7 @@ class KnnLogits:
                 evidence.found(searched, info, found)
             if found is None:
                 continue
-            self.mixer.mix(logits, searched, lm if len(kept) == len(group) else lm[kept], found, info.name)
+            logits = self.mixer.mix(logits, searched, take_rows(lm, kept), found, info.name)
             if rows.sampling:
                 for i, r in enumerate(searched):
                     requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))

@@ -66,9 +66,7 @@ class KnnMixer:
     @staticmethod
     def lm_log_probs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """log p_LM of `rows` (fp32 [len(rows), vocab]): computed once a group, for the skip rule and the mix."""
-        if rows != list(range(len(logits))):
-            logits = logits[torch.as_tensor(rows, device=logits.device)]
-        return torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(take_rows(logits, rows), dim=-1)
 
     @staticmethod
     def rows_to_search(lm_log_probs: torch.Tensor, params: list[KnnParams], datastore: str) -> list[int]:
@@ -164,15 +162,30 @@ class KnnMixer:
         )
 
     @staticmethod
-    def mix(logits: torch.Tensor, rows: list[int], lm_log_probs: torch.Tensor, found: Neighbours, datastore: str) -> None:
-        """Replace `logits[rows]` by log(λ·p_kNN + (1−λ)·p_LM), given those rows' log p_LM (overwritten)."""
+    def mix(logits: torch.Tensor, rows: list[int], lm_log_probs: torch.Tensor, found: Neighbours, datastore: str) -> torch.Tensor:
+        """The step's logits with `rows` replaced by log(λ·p_kNN + (1−λ)·p_LM), given those rows'
+        log p_LM (overwritten): the mixture itself where it covers every row, else `logits` with
+        those rows written over."""
         start = time.perf_counter()
         device = logits.device
-        logits[torch.as_tensor(rows, device=device)] = interpolate(
+        mixed = interpolate(
             lm_log_probs,
             torch.from_numpy(found.distances).to(device),
             torch.from_numpy(found.tokens).to(device),
             torch.from_numpy(found.lambdas).to(device),
             torch.from_numpy(found.temperatures).to(device),
         )
+        if rows == list(range(len(logits))):
+            logits = mixed
+        else:
+            logits.index_copy_(0, torch.as_tensor(rows, device=device), mixed)
         metrics.INTERPOLATION_SECONDS.labels(datastore).observe(time.perf_counter() - start)
+        return logits
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`t[rows]`: `t` itself when `rows` are all of its rows, else through index_select (indexing
+    with a list copied a [32, 49,152] fp32 tensor in 0.9 ms here, index_select in 0.16)."""
+    if rows == list(range(len(t))):
+        return t
+    return t.index_select(0, torch.as_tensor(rows, device=t.device))
