@@ -27,7 +27,7 @@ transport splits into Ray's and this host's floor and our share. The benchmark r
 OpenMP setting (`GOMP_SPINCOUNT`), so that its own idle search threads do not spin through the Ray calls.
 
 Besides the end-to-end cells, batch 32 is broken down: per-shard FAISS search, `merge_topk`, and
-the mix as the server runs it (the LM's log-softmax, then `knnlm_core.mixture.interpolate`) over a
+the mix as the server runs it (the LM's log-softmax, `KnnMixer.lm_confidence`, then `knnlm_core.mixture.interpolate`) over a
 49,152-token vocabulary (torch, CPU).
 
     .venv/bin/python benchmarks/retrieval_latency.py                       # 1M entries, ~10 min first run
@@ -463,6 +463,7 @@ def measure(args, record: dict, final: Path) -> dict:
     from knnlm_core.config import KnnConfig
     from knnlm_core.mixture import interpolate
     from knnlm_core.search import merge_topk, open_shards
+    from knnlm_serve.engine.knn_mixer import KnnMixer
     from knnlm_serve.runtime import DatastoreInfo, Runtime
 
     gen = ClusteredVectors(args.seed)
@@ -544,8 +545,11 @@ def measure(args, record: dict, final: Path) -> dict:
         logits = torch.randn(bb, VOCAB)
         lam, temp = torch.full((bb,), 0.25), torch.full((bb,), 1.0)
 
-        def mix(logits, *neighbours):  # interpolate overwrites the log-probabilities it is given
-            return interpolate(torch.log_softmax(logits, dim=-1), *neighbours)
+        rows = list(range(bb))
+
+        def mix(logits, *neighbours):  # as the server: one log-softmax a row (skip rule, normaliser), then the mix in place
+            log_z, _ = KnnMixer.lm_confidence(logits, rows)
+            return interpolate(logits, torch.arange(bb), log_z, *neighbours)
 
         breakdown["interpolate"] = stats_ms(timed(mix, lambda: (logits, d_t, t_t, lam, temp), 3, reps), bb)
         breakdown["interpolate"]["vocab"] = VOCAB

@@ -1,16 +1,17 @@
 """The kNN-LM distribution: p = λ·p_kNN + (1−λ)·p_LM, in torch for serving and NumPy for evaluation.
 
-The server mixes whole rows of LM log-probabilities in place (`interpolate`, fp32); the
-evaluator scores targets only (`knn_log_prob`, `mixture_log_prob`, fp64). Both use the same λ rule
+The server mixes into the step's logits in place (`interpolate`, fp32); the evaluator scores
+targets only (`knn_log_prob`, `mixture_log_prob`, fp64). Both use the same λ rule
 (`adaptive_lambda`).
 
 p_kNN(v) = Σ_{j: token_j = v} softmax_j(−d_j / τ) over the k retrieved neighbours. Padding
 neighbours (distance +inf, token −1) get zero weight; a row with no neighbour keeps p_LM.
 
-p_kNN is non-zero on at most k tokens, so the mix adds log(1−λ) to the LM's log-probabilities in
-place and fixes up the k neighbour tokens sparsely: this runs in every decode step, and
-full-vocabulary passes (and fresh full-vocabulary tensors) are its cost. The LM's log-softmax is the
-caller's, computed once per row for the skip rule and the mix together.
+p_kNN is non-zero on at most k tokens, and off them the mixture is (1−λ)·p_LM: a row's logits
+shifted by one constant, which a softmax does not see. So the mix writes only a row's k neighbour
+entries: this runs in every decode step, where full-vocabulary passes and fresh [rows, vocabulary]
+tensors were its cost. The LM's log normaliser is the caller's, from the log-softmax it computes
+once per row for the skip rule.
 """
 
 from __future__ import annotations
@@ -26,19 +27,37 @@ def adaptive_lambda(d_nearest: np.ndarray, lambda_max: float, slope: float, cent
 
 
 def interpolate(
-    lm_log_probs: torch.Tensor, distances: torch.Tensor, tokens: torch.Tensor, lambda_: torch.Tensor, temperature: torch.Tensor
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    log_z: torch.Tensor,
+    distances: torch.Tensor,
+    tokens: torch.Tensor,
+    lambda_: torch.Tensor,
+    temperature: torch.Tensor,
 ) -> torch.Tensor:
-    """log(λ·p_kNN + (1−λ)·p_LM) per row, written over `lm_log_probs` (fp32 [n, vocab], log p_LM) and returned."""
+    """Mix p_kNN into `logits[rows]` (fp32 [N, vocab]; written in place and returned): afterwards
+    each of those rows' log-softmax is log(λ·p_kNN + (1−λ)·p_LM), where p_LM is the softmax of
+    the row as given and `log_z` [n] its logsumexp.
+
+    Only the k neighbour entries of a row are written. Its other entries keep their logits, which
+    differ from log((1−λ)·p_LM) by log_z − log(1−λ) across the whole row, so the neighbour entries
+    get the mixture plus that constant. A row with λ = 1 has no such constant and becomes −inf off
+    its neighbours; a row with no neighbour is left as it was."""
     valid = tokens >= 0
     scores = torch.where(valid, -distances.float() / temperature.float()[:, None], -torch.inf)
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-padding rows: zeros, not NaN
     lam = torch.where(valid.any(dim=1), lambda_.float(), 0.0)[:, None]
     # Padding slots point at the row's first neighbour token: every write to a token carries the same value.
-    index = torch.where(valid, tokens, tokens[:, :1].clamp(min=0)).long()
-    p_knn = torch.zeros(lm_log_probs.shape, dtype=torch.float32, device=lm_log_probs.device)
-    p_at_neighbours = p_knn.scatter_add_(1, index, weights).gather(1, index)  # duplicates summed
-    mixed = lm_log_probs.add_(torch.log1p(-lam))
-    return mixed.scatter_(1, index, torch.logaddexp(lam.log() + p_at_neighbours.log(), mixed.gather(1, index)))
+    at = (rows[:, None].expand_as(tokens), torch.where(valid, tokens, tokens[:, :1].clamp(min=0)).long())
+    log_p_lm = logits[at] - log_z[:, None]
+    # p_kNN of each neighbour's token, duplicates summed, in the row's own neighbour entries.
+    logits.index_put_(at, torch.zeros_like(weights))
+    p_knn = logits.index_put_(at, weights, accumulate=True)[at]
+    mixed = torch.logaddexp(lam.log() + p_knn.log(), torch.log1p(-lam) + log_p_lm)
+    certain = lam[:, 0] == 1
+    if bool(certain.any()):
+        logits[rows[certain]] = -torch.inf
+    return logits.index_put_(at, mixed + torch.where(certain[:, None], 0.0, log_z[:, None] - torch.log1p(-lam)))
 
 
 def knn_log_prob(distances: np.ndarray, match: np.ndarray, k: int, temperature: float) -> np.ndarray:

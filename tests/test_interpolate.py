@@ -32,17 +32,27 @@ def reference(lm_logits, distances, tokens, lam, tau):
 def test_mixture_matches_numpy_with_duplicates_and_padding():
     rng = np.random.default_rng(0)
     n, k, vocab = 6, 12, 50
-    lm = rng.normal(size=(n, vocab)).astype(np.float32) * 3
+    batch = rng.normal(size=(n + 2, vocab)).astype(np.float32) * 3  # the step's logits
+    rows = np.array([0, 2, 3, 4, 5, 7])  # the rows that are mixed; 1 and 6 are not
     distances = np.sort(rng.uniform(0, 20, size=(n, k)), axis=1).astype(np.float32)
     tokens = rng.integers(0, 5, size=(n, k)).astype(np.int32)  # many duplicate neighbour tokens
     distances[1, 7:], tokens[1, 7:] = np.inf, -1  # k larger than the shard: padded
     distances[2, :], tokens[2, :] = np.inf, -1  # nothing retrieved at all
     lam = np.array([0.25, 0.5, 0.9, 0.0, 1.0, 0.75], dtype=np.float32)
     tau = np.array([1.0, 3.0, 0.5, 1.0, 2.0, 10.0], dtype=np.float32)
-    log_p_lm = torch.log_softmax(torch.from_numpy(lm), dim=-1)
-    got = interpolate(log_p_lm, *(torch.from_numpy(x) for x in (distances, tokens, lam, tau))).numpy()
-    expected = reference(lm, distances, tokens, lam, tau)
+    logits = torch.from_numpy(batch.copy())
+    log_z = torch.logsumexp(logits[rows], dim=-1)
+    got = interpolate(logits, torch.from_numpy(rows), log_z, *(torch.from_numpy(x) for x in (distances, tokens, lam, tau)))
+    assert got is logits  # in place: the step's logits
+    mixed = torch.log_softmax(got[rows], dim=-1).numpy()  # what vLLM samples from and reports as logprobs
+    expected = reference(batch[rows], distances, tokens, lam, tau)
     finite = np.isfinite(expected)
-    assert np.array_equal(finite, np.isfinite(got))  # λ = 1 leaves unseen tokens at probability 0
-    np.testing.assert_allclose(got[finite], expected[finite], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.exp(got).sum(axis=1), 1.0, rtol=1e-5)
+    assert np.array_equal(finite, np.isfinite(mixed))  # λ = 1 leaves unseen tokens at probability 0
+    np.testing.assert_allclose(mixed[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[[1, 6]].numpy(), batch[[1, 6]])  # rows not mixed are untouched
+    np.testing.assert_allclose(got[3].numpy(), batch[3], rtol=1e-6, atol=1e-5)  # no neighbour: the LM's logits
+    # Only a row's neighbour entries are written: the rest of it keeps its logits.
+    for i, row in enumerate(rows):
+        if lam[i] < 1 and (tokens[i] >= 0).any():
+            off = np.setdiff1d(np.arange(vocab), tokens[i])
+            np.testing.assert_array_equal(got[row, off].numpy(), batch[row, off])

@@ -8,9 +8,9 @@ Per call (one per step for the sampling rows, one per request for prompt-logprob
      p_LM), their keys (capture), their neighbours and λ, τ (knn_mixer.start/finish, on the first
      tensor-parallel rank only, shared with the others): the k nearest from that version's
      shards, or for a sampling row whose last step's neighbours predicted the token it was fed,
-     those neighbours' successors (pointer following); then log(λ·p_kNN + (1−λ)·p_LM) in
-     place of those rows' logits (knn_mixer.mix). Sampling rows keep their neighbours for the
-     next step.
+     those neighbours' successors (pointer following); then p_kNN mixed into those rows'
+     logits in place, at their neighbours' tokens only, so that their softmax is
+     λ·p_kNN + (1−λ)·p_LM (knn_mixer.mix). Sampling rows keep their neighbours for the next step.
 With knn.overlap, steps 1-2 and the start of the search happen earlier, mid-forward (key_ready),
 for every active sampling row; the call then applies the skip rule and collects the answers.
 vLLM computes sample and prompt logprobs from what this returns, so clients see the mixture.
@@ -30,7 +30,7 @@ from knnlm_serve import metrics
 from knnlm_serve.engine.batch_requests import BatchRequest, BatchRequests, LastNeighbours
 from knnlm_serve.engine.capture import KeyCapture
 from knnlm_serve.engine.explanations import Evidence, ExplanationLog
-from knnlm_serve.engine.knn_mixer import KnnMixer, Neighbours, PendingRows, take_rows
+from knnlm_serve.engine.knn_mixer import KnnMixer, Neighbours, PendingRows
 from knnlm_serve.engine.request_params import KnnParams
 from knnlm_serve.engine.rows import LogitsRows
 from knnlm_serve.retrieval import make_retriever
@@ -112,8 +112,8 @@ class KnnLogits:
             info = plan.versions[key]
             if evidence:
                 evidence.skipped(group, info)
-            lm = self.mixer.lm_log_probs(logits, group)
-            kept = self.mixer.rows_to_search(lm, [params[r] for r in group], info.name)
+            log_z, top = self.mixer.lm_confidence(logits, group)
+            kept = self.mixer.rows_to_search(top, [params[r] for r in group], info.name)
             searched = [group[i] for i in kept]
             if key in plan.started:  # begun mid-forward: collected even if every row was skipped
                 found = self.step.on_first_rank(self.mixer.finish, plan.started[key], kept)
@@ -127,7 +127,7 @@ class KnnLogits:
                 evidence.found(searched, info, found)
             if found is None:
                 continue
-            logits = self.mixer.mix(logits, searched, take_rows(lm, kept), found, info.name)
+            self.mixer.mix(logits, searched, log_z[kept], found, info.name)
             if rows.sampling:
                 for i, r in enumerate(searched):
                     requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))
