@@ -68,8 +68,8 @@ class KnnMixer:
         """(log normaliser, top probability) of the LM at `rows`, each [len(rows)]: from one
         log-softmax a row, for the skip rule and the mix together."""
         taken = take_rows(logits, rows)
-        top, at = torch.log_softmax(taken, dim=-1).max(dim=-1)
-        return taken.gather(1, at[:, None])[:, 0] - top, top.exp()
+        top = torch.log_softmax(taken, dim=-1).amax(dim=-1)  # amax, not max: an argmax took 1.3 ms at 32 rows
+        return taken.amax(dim=-1) - top, top.exp()
 
     @staticmethod
     def rows_to_search(top: torch.Tensor, params: list[KnnParams], datastore: str) -> list[int]:
