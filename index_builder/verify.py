@@ -8,7 +8,6 @@ import faiss
 import numpy as np
 
 from knnlm_core.datastore import Manifest, read_manifest, verify_checksums
-from knnlm_core.errors import DatastoreError
 from knnlm_core.provenance import Provenance
 from knnlm_core.search import ShardSearcher, merge_topk, open_shards
 
@@ -24,14 +23,7 @@ def provenance_summary(root: Path, manifest: Manifest) -> str:
     """One line on what the datastore can explain; raises when its document table is inconsistent."""
     if manifest.provenance is None:
         return "no provenance: serves, but cannot explain its neighbours (rebuild with knnlm-index build)"
-    provenance = Provenance.open(root, manifest)
-    table = provenance.table
-    if int(provenance.starts[-1]) != manifest.entries or np.any(np.diff(provenance.starts) < 0):
-        raise DatastoreError(f"datastore {root}: documents.npy does not cover its {manifest.entries} entries in order; rebuild it")
-    if table.source and not 0 <= min(table.source) <= max(table.source) < len(table.sources):
-        raise DatastoreError(f"datastore {root}: its document table names sources it does not list; rebuild it")
-    if table.first_token and not 0 <= min(table.first_token) <= max(table.first_token) < manifest.model.vocab_size:
-        raise DatastoreError(f"datastore {root}: its document table has tokens outside the vocabulary; rebuild it")
+    table = Provenance.open(root, manifest).table  # checks documents.npy, values and the table against each other
     return f"provenance: {len(table):,} documents from {len(table.sources):,} source file(s) under {table.root}"
 
 

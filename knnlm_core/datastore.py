@@ -38,7 +38,7 @@ MANIFEST = "manifest.json"
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # JSON's NaN and Infinity are never a setting
 
 
 class FileEntry(_Record):
@@ -141,7 +141,7 @@ class PointerRule(_Record):
 class Calibration(_Record):
     """The mixing settings that fit this datastore best on held-out text (served by default)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     lambda_: float = Field(alias="lambda", ge=0, le=1)
     temperature: float = Field(gt=0)
@@ -156,7 +156,7 @@ class Calibration(_Record):
     skip: SkipRule | None = None  # None: calibrated before adaptive retrieval existed (never skips)
     pointers: PointerRule | None = None  # None: no document boundaries, or calibrated before pointers existed
     heldout: str  # what the held-out text was
-    nprobe: int | None  # IVF lists the fit searched, served by default (see served_nprobe)
+    nprobe: int | None = Field(gt=0)  # IVF lists the fit searched, served by default (see served_nprobe)
     nprobe_curve: NprobeCurve | None = None  # None: not IVF, or calibrated before nprobe was chosen (the build's was served)
     created: str
 
@@ -219,7 +219,11 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as e:
-        raise DatastoreError(f"{manifest_file} is malformed: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}") from None
+        error = e.errors()[0]
+        field = ".".join(str(part) for part in error["loc"])
+        raise DatastoreError(
+            f"{manifest_file}: field {field} is invalid: {error['msg']} (got {error.get('input')!r}); rebuild the datastore"
+        ) from None
     for entry in manifest.files():
         file = path / entry.path
         if not file.is_file():
@@ -256,22 +260,52 @@ def file_entry(root: Path, file: Path) -> FileEntry:
     return FileEntry(path=str(file.relative_to(root)), bytes=file.stat().st_size, sha256=sha256_file(file))
 
 
-def load_values(path: Path) -> np.ndarray:
-    return np.load(path, allow_pickle=False, mmap_mode="r")
+def load_values(path: Path, entries: int | None = None, vocab_size: int | None = None) -> np.ndarray:
+    """A shard's values.npy, memory-mapped: int32 token ids, checked to be `entries` ids of a
+    vocabulary of `vocab_size` when those are given."""
+    values = _load_array(path)
+    where = f"{path.parent.name}/{path.name}"
+    if values.dtype != np.int32 or values.ndim != 1 or (entries is not None and len(values) != entries):
+        expected = f"({entries},)" if entries is not None else "(entries,)"
+        raise DatastoreError(f"{where}: holds {values.dtype} {values.shape}, expected int32 {expected}; rebuild the datastore")
+    if vocab_size is not None and len(values) and not 0 <= int(values.min()) <= int(values.max()) < vocab_size:
+        raise DatastoreError(f"{where}: token ids outside the vocabulary [0, {vocab_size}); rebuild the datastore")
+    return values
 
 
 def load_document_starts(root: Path, manifest: Manifest) -> np.ndarray | None:
-    """documents.npy (where each document's entries begin, and the total), or None when not recorded."""
+    """documents.npy (where each document's entries begin, and the total), or None when not recorded;
+    checked to run from 0 to the datastore's entries in order."""
     if manifest.documents is None:
         return None
-    return np.load(root / manifest.documents.path, allow_pickle=False)
+    starts = _load_array(root / manifest.documents.path, mmap=False)
+    if starts.dtype != np.int64 or starts.ndim != 1 or len(starts) < 2:
+        problem = f"holds {starts.dtype} {starts.shape}, expected int64 (documents + 1,)"
+    elif starts[0] != 0 or starts[-1] != manifest.entries:
+        problem = f"runs from {starts[0]} to {starts[-1]}, expected 0 to the datastore's {manifest.entries} entries"
+    elif np.any(np.diff(starts) < 0):
+        problem = "document starts are not in order"
+    else:
+        return starts
+    raise DatastoreError(f"{manifest.documents.path}: {problem}; rebuild the datastore")
+
+
+def _load_array(path: Path, mmap: bool = True) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
+    except (OSError, ValueError) as e:  # object arrays (pickles), truncated or foreign files
+        raise DatastoreError(f"{path.name}: not a plain .npy array ({e}); rebuild the datastore") from None
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
     """Written last and atomically: a manifest on disk means the datastore is complete. It carries
     a checksum of its own content, so an edit after the fact (say, of the key type) is refused."""
-    raw = manifest.model_dump(mode="json", by_alias=True)
-    write_json_atomic(root / MANIFEST, {**raw, "checksum": _manifest_checksum(raw)})
+    write_json_atomic(root / MANIFEST, sealed(manifest.model_dump(mode="json", by_alias=True)))
+
+
+def sealed(raw: dict) -> dict:
+    """A manifest's JSON with the checksum of its content."""
+    return {**raw, "checksum": _manifest_checksum(raw)}
 
 
 def _manifest_checksum(raw: dict) -> str:

@@ -70,13 +70,24 @@ class DocumentTable:
         write_json_atomic(path, self.__dict__)
 
     @classmethod
-    def read(cls, path: Path) -> DocumentTable:
+    def read(cls, path: Path, vocab_size: int | None = None) -> DocumentTable:
+        """The table at `path`, checked: its columns agree, and name listed sources and tokens of the vocabulary."""
         try:
             table = cls(**json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError) as e:
-            raise DatastoreError(f"{path} is not a knnlm-index document table ({e}); rebuild the datastore") from None
-        if len({len(c) for c in (table.source, table.line, table.id, table.first_token, table.sha256)}) != 1:
-            raise DatastoreError(f"{path}: its columns have different lengths; rebuild the datastore")
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
+            raise DatastoreError(f"{path.name}: not a knnlm-index document table ({e}); rebuild the datastore") from None
+        columns = {"source": table.source, "line": table.line, "id": table.id, "first_token": table.first_token, "sha256": table.sha256}
+        if not isinstance(table.sources, list) or not all(isinstance(c, list) for c in columns.values()):
+            raise DatastoreError(f"{path.name}: sources and every column must be lists; rebuild the datastore")
+        if len({len(c) for c in columns.values()}) != 1:
+            lengths = ", ".join(f"{name} {len(c)}" for name, c in columns.items())
+            raise DatastoreError(f"{path.name}: its columns have different lengths ({lengths}); rebuild the datastore")
+        if not all(isinstance(i, int) and 0 <= i < len(table.sources) for i in table.source):
+            raise DatastoreError(f"{path.name}: field source names sources it does not list; rebuild the datastore")
+        if not all(isinstance(t, int) and 0 <= t < (vocab_size or t + 1) for t in table.first_token):
+            raise DatastoreError(
+                f"{path.name}: field first_token holds ids outside the vocabulary [0, {vocab_size}); rebuild the datastore"
+            )
         return table
 
     def describe(self, document: int) -> dict:
@@ -94,22 +105,26 @@ class Provenance:
 
     def __init__(self, table: DocumentTable, starts: np.ndarray, values: list[np.ndarray]):
         if len(starts) != len(table) + 1:
-            raise DatastoreError(f"the document table has {len(table)} documents, documents.npy {len(starts) - 1}; rebuild the datastore")
+            raise DatastoreError(
+                f"{PROVENANCE} lists {len(table)} documents, documents.npy {len(starts) - 1}: they must agree; rebuild the datastore"
+            )
         self.table, self.starts = table, starts
         self._values = values  # per shard, memory-mapped
         self._first_ids = np.cumsum([0] + [len(v) for v in values])
 
     @classmethod
     def open(cls, root: Path, manifest: Manifest) -> Provenance:
-        """The datastore's provenance; a clear error for datastores built before it was recorded."""
+        """The datastore's provenance, every file it reads checked; a clear error for datastores
+        built before it was recorded."""
         if manifest.provenance is None or manifest.documents is None:
             raise DatastoreError(
                 f"datastore {root.name} has no provenance (built before knnlm-index recorded documents, or from keys): "
                 "it serves, but cannot explain; rebuild it with `knnlm-index build` to explain its neighbours",
                 ErrorKind.INVALID,
             )
-        values = [load_values(root / s.values.path) for s in manifest.shards]
-        return cls(DocumentTable.read(root / manifest.provenance.path), load_document_starts(root, manifest), values)
+        vocab = manifest.model.vocab_size
+        values = [load_values(root / s.values.path, s.entries, vocab) for s in manifest.shards]
+        return cls(DocumentTable.read(root / manifest.provenance.path, vocab), load_document_starts(root, manifest), values)
 
     @property
     def documents(self) -> int:
@@ -139,7 +154,23 @@ class Provenance:
     def _entry_values(self, lo: int, hi: int) -> np.ndarray:
         parts = []
         for shard, values in enumerate(self._values):
+            if os.stat(values.filename).st_size != values.offset + values.nbytes:  # reading a truncated map would kill the process
+                raise DatastoreError(
+                    f"{Path(values.filename).parent.name}/values.npy changed on disk after it was loaded; reload the datastore"
+                )
             a, b = max(lo, self._first_ids[shard]), min(hi, self._first_ids[shard + 1])
             if a < b:
                 parts.append(np.asarray(values[a - self._first_ids[shard] : b - self._first_ids[shard]], dtype=np.int32))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+
+def check_served_files(root: Path, manifest: Manifest) -> None:
+    """Open and check every file that serving or an explanation reads besides the shards' indexes
+    (which the shard actors load and a probe query checks): each shard's values, documents.npy and
+    provenance.json, against each other and the manifest. Raises DatastoreError naming the file."""
+    if manifest.provenance is not None and manifest.documents is not None:
+        Provenance.open(root, manifest)
+        return
+    load_document_starts(root, manifest)
+    for shard in manifest.shards:
+        load_values(root / shard.values.path, shard.entries, manifest.model.vocab_size)
