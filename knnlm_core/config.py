@@ -8,6 +8,7 @@ their flags onto these models. A process gets its settings by one route: the lau
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -17,10 +18,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from knnlm_core.errors import ConfigError
 
 KeyType = Literal["final", "ffn_input"]
+DATASTORE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a whole name: it appears in routes, actor names and metric labels
+
+
+def datastore_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a datastore, or None."""
+    if isinstance(name, str) and DATASTORE_NAME.fullmatch(name):
+        return None
+    return f"datastore name {name!r} is invalid: use 1-64 letters, digits, '-' and '_' (no dots, spaces or other characters)"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class BuildConfig(_Strict):
@@ -154,12 +163,28 @@ class KnnConfig(_Strict):
         "nodes that offer them (`ray start --resources`), which may be other nodes than the engine's",
     )
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    fail_open: bool = Field(
+        True,
+        description="an unexpected error in kNN's per-step path serves the affected rows from the LM alone, is logged and "
+        'counted (knnlm_fallbacks_total{reason="error"}), and a datastore version that keeps failing is marked unhealthy; '
+        "false: the error propagates and stops the engine (the test suite's setting, so that bugs are loud)",
+    )
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, populate_by_name=True)
 
     @model_validator(mode="after")
     def _consistent(self) -> KnnConfig:
+        for name in self.datastores:
+            if problem := datastore_name_problem(name):
+                raise ValueError(problem)
         if self.k > self.max_k:
             raise ValueError(f"k ({self.k}) exceeds max_k ({self.max_k})")
+        if self.min_pointers > self.max_k:
+            raise ValueError(f"min_pointers ({self.min_pointers}) exceeds max_k ({self.max_k})")
+        for name, override in self.overrides.items():
+            for field in ("k", "min_pointers"):
+                if (getattr(override, field) or 0) > self.max_k:
+                    raise ValueError(f"overrides.{name}.{field} ({getattr(override, field)}) exceeds max_k ({self.max_k})")
         if self.default_datastore is not None and self.default_datastore not in self.datastores:
             raise ValueError(f"default_datastore {self.default_datastore!r} is not one of datastores {sorted(self.datastores)}")
         return self
@@ -168,9 +193,11 @@ class KnnConfig(_Strict):
     def default_name(self) -> str | None:
         return self.default_datastore or next(iter(self.datastores), None)
 
-    def settings(self) -> KnnConfig:
-        """These settings without the startup datastore list (the runtime tracks the serving set)."""
-        return self.model_copy(update={"datastores": {}, "default_datastore": None})
+    def worker_settings(self) -> KnnConfig:
+        """What vLLM's workers get: these settings without the startup datastore list (the runtime
+        tracks the serving set) and without what only the API server uses (the admin token, the
+        datastore root): secrets stay in the server process."""
+        return self.model_copy(update={"datastores": {}, "default_datastore": None, "admin_token": None, "datastore_root": None})
 
 
 class ServeConfig(_Strict):

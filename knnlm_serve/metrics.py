@@ -66,12 +66,24 @@ SKIPPED_ROWS = Counter(
     ["datastore"],
 )
 NEIGHBOURS = Counter("knnlm_neighbours", "neighbours retrieved (k per query)", ["datastore"])
-FALLBACKS = Counter("knnlm_fallbacks", "rows served with fewer shards or LM-only, by reason", ["datastore", "reason"])
+FALLBACKS = Counter(
+    "knnlm_fallbacks",
+    "rows served with fewer shards or LM-only, by reason (error: an unexpected error in kNN's per-step path; "
+    "unhealthy: the datastore version was stopped after repeated errors)",
+    ["datastore", "reason"],
+)
 REQUESTS = Counter("knnlm_requests", "requests admitted, by datastore ('none' = kNN off)", ["datastore"])
 DATASTORE_INFO = Gauge(
     "knnlm_datastore_info",
     "serving datastores (value 1) and the mixing defaults in force; settings_from = where λ came from",
     ["datastore", "version", "entries", "shards", "key_type", "lambda", "k", "temperature", "skip_threshold", "settings_from"],
+    multiprocess_mode="mostrecent",
+)
+DATASTORE_HEALTHY = Gauge(
+    "knnlm_datastore_healthy",
+    "1 while the datastore's serving version is healthy; 0 once vLLM's workers stopped using it after repeated errors "
+    "(its requests are served LM-only until it is reloaded)",
+    ["datastore"],
     multiprocess_mode="mostrecent",
 )
 SWAPS = Counter("knnlm_swaps", "datastore loads and hot-swaps, by result", ["datastore", "result"])

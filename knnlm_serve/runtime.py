@@ -34,7 +34,8 @@ class MixDefaults(BaseModel):
 
 
 def mix_defaults(knn: KnnConfig, name: str, calibration: Calibration | None) -> MixDefaults:
-    """Per datastore: the config's overrides beat the datastore's calibration, which beats the config's defaults."""
+    """Per datastore: the config's overrides beat the datastore's calibration, which beats the config's
+    defaults. A calibrated k or min_pointers is held to this server's knn.max_k."""
     values = {
         "lambda": knn.lambda_,
         "k": knn.k,
@@ -52,7 +53,7 @@ def mix_defaults(knn: KnnConfig, name: str, calibration: Calibration | None) -> 
         if calibration.skip is not None:
             values["skip_threshold"], source["skip_threshold"] = calibration.skip.threshold, "calibration"
         if calibration.pointers is not None:
-            values["min_pointers"], source["min_pointers"] = calibration.pointers.min_pointers, "calibration"
+            values["min_pointers"], source["min_pointers"] = min(calibration.pointers.min_pointers, knn.max_k), "calibration"
     override = knn.overrides.get(name)
     for field in values:
         value = getattr(override, "lambda_" if field == "lambda" else field, None) if override else None

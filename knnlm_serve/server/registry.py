@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import threading
 import time
 from pathlib import Path
@@ -19,9 +18,10 @@ from typing import Protocol
 
 import numpy as np
 
-from knnlm_core.config import KeyType, KnnConfig
+from knnlm_core.config import KeyType, KnnConfig, datastore_name_problem
 from knnlm_core.datastore import read_manifest, verify_checksums
 from knnlm_core.errors import DatastoreError, ErrorKind
+from knnlm_core.provenance import check_served_files
 from knnlm_core.search import open_shards
 from knnlm_serve import metrics
 from knnlm_serve.retrieval import actor_name, start_shard_actors
@@ -29,8 +29,8 @@ from knnlm_serve.runtime import DatastoreInfo, Runtime, ServedModel, check_datas
 
 logger = logging.getLogger("knnlm_serve")
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 RELEASE_GRACE_S = 5.0
+WORKER_POLL_TICKS = 4  # the reaper asks the workers for their state every this many half-second ticks
 
 
 class EngineLink(Protocol):
@@ -38,13 +38,17 @@ class EngineLink(Protocol):
 
     def set_runtime(self, runtime: Runtime) -> None: ...
 
-    def pinned_versions(self) -> set[tuple[str, int]]: ...
+    def worker_state(self) -> tuple[set[tuple[str, int]], dict[tuple[str, int], str]]:
+        """(versions a running request is pinned to, versions a worker stopped using after repeated errors -> the error)."""
+        ...
 
 
 class DatastoreRegistry:
     def __init__(self, knn: KnnConfig, model: ServedModel, ray_address: str | None):
         self.model = model
-        self.runtime = Runtime(knn=knn.settings(), ray_address=ray_address)
+        self.config = knn  # the whole kNN config, secrets included: it stays in this process
+        self.runtime = Runtime(knn=knn.worker_settings(), ray_address=ray_address)
+        self._unhealthy: dict[tuple[str, int], str] = {}  # version -> the error its workers stopped using it for
         self._engine: EngineLink | None = None  # connected once vLLM's workers are up
         self._model_cpus: dict[str, list[int]] = {}  # host -> CPUs vLLM's workers are bound to
         self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
@@ -74,22 +78,25 @@ class DatastoreRegistry:
 
     # -- changes ---------------------------------------------------------------------------------
     def load(self, name: str, path: str | Path, *, make_default: bool = False, key_type: KeyType | None = None) -> DatastoreInfo:
-        if not NAME_PATTERN.match(name):
-            raise DatastoreError(f"datastore name {name!r} must match {NAME_PATTERN.pattern}")
+        if problem := datastore_name_problem(name):
+            raise DatastoreError(problem)
         started = time.monotonic()
         with self._lock:
+            old = self.runtime.datastores.get(name)
+            default = name if make_default or not self.runtime.datastores else self.runtime.default
+            info = None
             try:
                 info = self._check(name, Path(path), key_type)
                 if self.runtime.knn.backend == "ray":
                     self._actors[info.key] = start_shard_actors(info, self.runtime.knn)
                     self._keep_off_model(self._actors[info.key])
                 self._probe(info)
+                self._publish({**self.runtime.datastores, name: info}, default)
             except DatastoreError:
+                if info is not None:
+                    self._kill(info.key)
                 metrics.SWAPS.labels(name, "rejected").inc()
                 raise
-            old = self.runtime.datastores.get(name)
-            default = name if make_default or not self.runtime.datastores else self.runtime.default
-            self._publish({**self.runtime.datastores, name: info}, default)
             if old is not None:
                 self._retire(old)
             metrics.SWAPS.labels(name, "swapped" if old else "loaded").inc()
@@ -115,6 +122,21 @@ class DatastoreRegistry:
             serving = [self._describe(i, "serving") for i in self.runtime.datastores.values()]
             draining = [self._describe(i, "draining") for i, _ in self._retired.values()]
             return {"default": self.runtime.default, "datastores": serving + draining}
+
+    def public(self, text: str) -> str:
+        """`text` with every server path of a datastore shown as clients may see it."""
+        infos = [*self.runtime.datastores.values(), *(i for i, _ in self._retired.values())]
+        for path in sorted({i.path for i in infos}, key=len, reverse=True):
+            text = text.replace(path, self.public_path(path))
+        root = self.config.datastore_root
+        return text.replace(str(Path(root).expanduser().resolve()) + "/", "") if root else text
+
+    def public_path(self, path: str) -> str:
+        """A datastore directory relative to knn.datastore_root; outside it (configured at startup), its name alone."""
+        root = self.config.datastore_root
+        if root and Path(path).is_relative_to(Path(root).expanduser().resolve()):
+            return str(Path(path).relative_to(Path(root).expanduser().resolve()))
+        return Path(path).name
 
     def health(self) -> dict:
         """Ask every serving shard actor who it is; a changed pid means Ray restarted it."""
@@ -160,7 +182,14 @@ class DatastoreRegistry:
                     self._pids[entry["actor"]] = described["pid"]
                     self._keep_off_model([[actor]])  # a restarted actor starts on every CPU again
             shards.append(entry)
-        return {"healthy": all(s["status"] == "ok" for s in shards), "model_cpus": self._model_cpus, "shards": shards}
+        with self._lock:
+            datastores = [self._health(info) for info in self.runtime.datastores.values()]
+        healthy = all(s["status"] == "ok" for s in shards) and all(d["healthy"] for d in datastores)
+        return {"healthy": healthy, "datastores": datastores, "model_cpus": self._model_cpus, "shards": shards}
+
+    def _health(self, info: DatastoreInfo) -> dict:
+        error = self._unhealthy.get(info.key)
+        return {"name": info.name, "version": info.version, "healthy": error is None, "error": error}
 
     # -- internals -------------------------------------------------------------------------------
     def _get(self, name: str) -> DatastoreInfo:
@@ -171,12 +200,23 @@ class DatastoreRegistry:
     def _check(self, name: str, path: Path, key_type: KeyType | None) -> DatastoreInfo:
         info, manifest = check_datastore(name, path, self.model)
         verify_checksums(info.path, manifest)
+        check_served_files(Path(info.path), manifest)
         serving = self.runtime.datastores.get(name)
         expected = key_type or (serving.key_type if serving else None)
         if expected is not None and manifest.key_type != expected:
             raise DatastoreError(f"datastore at {path} has key type {manifest.key_type!r}, expected {expected!r}")
+        calibration, max_k = info.calibration, self.runtime.knn.max_k
+        if calibration is not None:
+            for field, value in (
+                ("k", calibration.k),
+                ("pointers.min_pointers", calibration.pointers and calibration.pointers.min_pointers),
+            ):
+                if value and value > max_k:
+                    logger.warning(
+                        "datastore %r: its calibrated %s (%d) exceeds knn.max_k (%d); serving %d", name, field, value, max_k, max_k
+                    )
         self._versions[name] = self._versions.get(name, 0) + 1
-        defaults = mix_defaults(self.runtime.knn, name, info.calibration)
+        defaults = mix_defaults(self.runtime.knn, name, calibration)
         return info.model_copy(update={"version": self._versions[name], "defaults": defaults})
 
     def _probe(self, info: DatastoreInfo) -> None:
@@ -216,6 +256,8 @@ class DatastoreRegistry:
         for new in labels:
             metrics.DATASTORE_INFO.labels(*new).set(1)
         self._info_labels = labels
+        for info in datastores.values():
+            metrics.DATASTORE_HEALTHY.labels(info.name).set(0 if info.key in self._unhealthy else 1)
 
     def _retire(self, info: DatastoreInfo) -> None:
         self._retired[info.key] = (info, time.monotonic())
@@ -229,15 +271,25 @@ class DatastoreRegistry:
             try:
                 if tick % 10 == 0 and self.runtime.knn.backend == "ray":
                     self.health()
-                self._reap()
+                if tick % WORKER_POLL_TICKS == 0 or self._retired:
+                    self._poll_workers()
             except Exception:  # noqa: BLE001 - the reaper must outlive a failed poll
                 logger.exception("datastore reaper: poll failed; retrying")
 
-    def _reap(self) -> None:
+    def _poll_workers(self) -> None:
+        """Release retired versions no running request uses, and take in which versions the workers
+        stopped using after repeated errors (served LM-only until reloaded)."""
         with self._lock:
-            if not self._retired or self._engine is None:
+            if self._engine is None:
                 return
-            in_use, now = self._engine.pinned_versions(), time.monotonic()
+            in_use, unhealthy = self._engine.worker_state()
+            serving = {info.key for info in self.runtime.datastores.values()}
+            for key, error in unhealthy.items():
+                if key not in self._unhealthy and key in serving:
+                    logger.error("datastore %s version %d is unhealthy, served LM-only until reloaded: %s", *key, self.public(error))
+                    metrics.DATASTORE_HEALTHY.labels(key[0]).set(0)
+            self._unhealthy = {key: self.public(error) for key, error in unhealthy.items()}
+            now = time.monotonic()
             for key, (_, retired_at) in list(self._retired.items()):
                 if key not in in_use and now - retired_at > RELEASE_GRACE_S:
                     del self._retired[key]
@@ -250,9 +302,8 @@ class DatastoreRegistry:
             for actor in replicas:
                 ray.kill(actor, no_restart=True)
 
-    @staticmethod
-    def _describe(info: DatastoreInfo, status: str) -> dict:
-        return {**info.model_dump(), "status": status}
+    def _describe(self, info: DatastoreInfo, status: str) -> dict:
+        return {**info.model_dump(), "path": self.public_path(info.path), "status": status, **self._health(info)}
 
 
 def _info_labels(info: DatastoreInfo) -> tuple[str, ...]:
