@@ -50,6 +50,13 @@ class BatchRequests:
     def __init__(self) -> None:
         self._slots: dict[int, BatchRequest] = {}
 
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def clear(self) -> None:
+        """Forget every request: each is then served as plain vLLM would (`resolve`)."""
+        self._slots.clear()
+
     def apply(self, update: BatchUpdate | None) -> None:
         """vLLM's documented order: removed, then added, then moved."""
         if update is None:

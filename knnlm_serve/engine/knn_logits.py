@@ -30,6 +30,7 @@ from knnlm_serve import metrics
 from knnlm_serve.engine.batch_requests import BatchRequest, BatchRequests, LastNeighbours
 from knnlm_serve.engine.capture import KeyCapture
 from knnlm_serve.engine.explanations import Evidence, ExplanationLog
+from knnlm_serve.engine.faults import Faults
 from knnlm_serve.engine.knn_mixer import KnnMixer, Neighbours, PendingRows
 from knnlm_serve.engine.request_params import KnnParams
 from knnlm_serve.engine.rows import LogitsRows
@@ -55,9 +56,11 @@ class StepPlan:
 
 
 class KnnLogits:
-    def __init__(self, runtime: Runtime, batch: BatchRequests, capture: KeyCapture, step):
+    def __init__(self, runtime: Runtime, batch: BatchRequests, faults: Faults, capture: KeyCapture, step):
         self.runtime = runtime
         self.batch = batch
+        self.faults = faults  # shared with the request tracker: errors here serve rows LM-only (engine/faults.py)
+        self.faults.fail_open = runtime.knn.fail_open
         self.capture = capture
         self.step = step  # vllm_adapter.StepView: the runner's view of this step
         self.mixer = KnnMixer(make_retriever(runtime.knn, runtime.ray_address))
@@ -68,7 +71,10 @@ class KnnLogits:
     def set_runtime(self, runtime: Runtime) -> None:
         """A new serving set from the registry; versions no running request is pinned to are released."""
         self.runtime = runtime
-        self.mixer.release(self.batch.pinned_versions() | {i.key for i in runtime.datastores.values()})
+        self.faults.fail_open = runtime.knn.fail_open
+        keep = self.batch.pinned_versions() | {i.key for i in runtime.datastores.values()}
+        self.mixer.release(keep)
+        self.faults.release(keep)
 
     def key_ready(self, ffn_input: torch.Tensor) -> None:
         """Mid-forward, once the last layer's FFN input exists (capture's `knnlm::key_ready`): with
@@ -78,6 +84,12 @@ class KnnLogits:
         self._begun = None
         if not self.runtime.knn.overlap:
             return
+        try:
+            self._begin(ffn_input)
+        except Exception as e:  # noqa: BLE001 - fail open: `__call__` plans the step again
+            self.faults.failed("key_ready", e, rows=0)
+
+    def _begin(self, ffn_input: torch.Tensor) -> None:
         began = time.perf_counter()
         rows = self.step.sampling_rows()
         if rows is None:
@@ -85,62 +97,102 @@ class KnnLogits:
         plan = self._plan(rows)
         for key, group in plan.groups.items():
             info = plan.versions[key]
-            if info.key_type != "ffn_input":  # the final hidden state does not exist yet
+            if info.key_type != "ffn_input" or key in self.faults.unhealthy:  # a `final` key does not exist yet
                 continue
-            keys = ffn_input[torch.as_tensor(rows.token_index[group], device=ffn_input.device)]
-            plan.started[key] = self._start(plan, group, info, keys) if self.step.tp_rank == 0 else None
+            try:
+                keys = ffn_input[torch.as_tensor(rows.token_index[group], device=ffn_input.device)]
+                plan.started[key] = self._start(plan, group, info, keys) if self.step.tp_rank == 0 else None
+            except Exception as e:  # noqa: BLE001 - fail open: these rows are served LM-only
+                self.faults.failed("key_ready", e, len(group), key)
+                plan.started[key] = e
         plan.seconds = time.perf_counter() - began
         self._begun = plan
 
     def __call__(self, logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The step's logits with p_kNN mixed into the rows of active requests. A failure serves
+        the rows it concerned as the LM's (engine/faults.py)."""
         called = time.perf_counter()
-        rows = self.step.rows_of(hidden_states, self.capture.hidden)
         begun, self._begun = self._begun, None
+        try:
+            return self._mixed(logits, hidden_states, begun, called)
+        except Exception as e:  # noqa: BLE001 - fail open: the step's logits as the LM made them
+            if begun is not None:
+                self._drain(begun)
+            self.faults.failed("compute_logits", e, len(logits))
+            return logits
+
+    def _mixed(self, logits: torch.Tensor, hidden_states: torch.Tensor, begun: StepPlan | None, called: float) -> torch.Tensor:
+        rows = self.step.rows_of(hidden_states, self.capture.hidden)
         if rows is None:  # vLLM's warm-up and profiling calls
             return logits
         if begun is not None and not (rows.sampling and np.array_equal(begun.rows.token_index, rows.token_index)):
             self._drain(begun)  # not this call's rows (cannot happen with vLLM 0.32's runner): plan anew
+            logger.warning("knnlm: searches begun mid-forward were not for this step's sampling rows; searched again")
             begun = None
         plan = begun if rows.sampling and begun is not None else self._plan(rows)
         if not plan.groups:
             return logits
         logits = logits.float()
-        params, requests = plan.params, plan.requests
-        explained = [r for members in plan.groups.values() for r in members if params[r].explain_id is not None]
+        explained = [r for members in plan.groups.values() for r in members if plan.params[r].explain_id is not None]
         evidence = Evidence(self.step.positions(rows), rows.sampling, logits, explained) if explained else None
         for key, group in plan.groups.items():
             info = plan.versions[key]
+            failed = isinstance(plan.started.get(key), Exception)  # begun mid-forward, failed there (and counted)
+            if not failed and key in self.faults.unhealthy:
+                metrics.FALLBACKS.labels(info.name, "unhealthy").inc(len(group))
+                failed = True
+            if not failed:
+                try:
+                    self._serve(plan, key, group, logits, hidden_states, evidence)
+                    self.faults.succeeded(key)
+                    continue
+                except Exception as e:  # noqa: BLE001 - fail open: this group's rows keep the LM's logits
+                    self._drain(plan, key)
+                    self.faults.failed("compute_logits", e, len(group), key)
             if evidence:
-                evidence.skipped(group, info)
-            log_z, top = self.mixer.lm_confidence(logits, group)
-            kept = self.mixer.rows_to_search(top, [params[r] for r in group], info.name)
-            searched = [group[i] for i in kept]
-            if key in plan.started:  # begun mid-forward: collected even if every row was skipped
-                found = self.step.on_first_rank(self.mixer.finish, plan.started[key], kept)
-            if not searched:
-                continue
-            if key not in plan.started:
-                token_index = torch.as_tensor(rows.token_index[searched], device=hidden_states.device)
-                keys = self.capture.keys(info.key_type, token_index, hidden_states[searched])
-                found = self.step.on_first_rank(self._search, plan, searched, info, keys)
-            if evidence:
-                evidence.found(searched, info, found)
-            if found is None:
-                continue
-            self.mixer.mix(logits, searched, log_z[kept], found, info.name)
-            if rows.sampling:
-                for i, r in enumerate(searched):
-                    requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))
+                evidence.found(group, info, None)
         if evidence:
-            evidence.record(self.explanations, requests)
+            evidence.record(self.explanations, plan.requests)
         metrics.STEP_SECONDS.observe(plan.seconds + time.perf_counter() - called)
         return logits
 
-    def _drain(self, plan: StepPlan) -> None:
-        for started in plan.started.values():
-            if started is not None:
-                self.mixer.finish(started, keep=[])
-        logger.warning("knnlm: searches begun mid-forward were not for this step's sampling rows; searched again")
+    def _serve(self, plan: StepPlan, key, group: list[int], logits: torch.Tensor, hidden_states: torch.Tensor, evidence) -> None:
+        """One datastore version's rows: the skip rule, their neighbours (collected if begun
+        mid-forward, else searched now), and the mix into `logits` in place."""
+        info, params, requests, rows = plan.versions[key], plan.params, plan.requests, plan.rows
+        if evidence:
+            evidence.skipped(group, info)
+        log_z, top = self.mixer.lm_confidence(logits, group)
+        kept = self.mixer.rows_to_search(top, [params[r] for r in group], info.name)
+        searched = [group[i] for i in kept]
+        begun = key in plan.started
+        if begun:  # begun mid-forward: collected even if every row was skipped
+            found = self.step.on_first_rank(self.mixer.finish, plan.started.pop(key), kept)
+        if not searched:
+            return
+        if not begun:
+            token_index = torch.as_tensor(rows.token_index[searched], device=hidden_states.device)
+            keys = self.capture.keys(info.key_type, token_index, hidden_states[searched])
+            found = self.step.on_first_rank(self._search, plan, searched, info, keys)
+        if evidence:
+            evidence.found(searched, info, found)
+        if found is None:
+            return
+        self.mixer.mix(logits, searched, log_z[kept], found, info.name)
+        if rows.sampling:
+            for i, r in enumerate(searched):
+                requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))
+
+    def _drain(self, plan: StepPlan, key: tuple[str, int] | None = None) -> None:
+        """Collect and drop the searches begun mid-forward (of one version, or all) that were not
+        collected: a search in flight is always read back."""
+        for k in [key] if key is not None else list(plan.started):
+            started = plan.started.pop(k, None)
+            if isinstance(started, PendingRows):
+                try:
+                    self.mixer.finish(started, keep=[])
+                except Exception:  # noqa: BLE001 - already failing: its error is the one reported
+                    logger.debug("knnlm: dropping a search begun mid-forward failed", exc_info=True)
 
     def _plan(self, rows: LogitsRows) -> StepPlan:
         """Resolve each row's request (pinning its version at its first step) and group the rows

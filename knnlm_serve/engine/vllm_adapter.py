@@ -35,7 +35,7 @@ logger = logging.getLogger("knnlm_serve")
 
 TESTED_VLLM = "0.32"
 EXTENSION = "knnlm_serve.engine.vllm_adapter.KnnWorkerExtension"
-ATTACH, SET_RUNTIME, PINNED_VERSIONS = "knnlm_attach", "knnlm_set_runtime", "knnlm_pinned_versions"
+ATTACH, SET_RUNTIME, WORKER_STATE = "knnlm_attach", "knnlm_set_runtime", "knnlm_worker_state"
 TAKE_EXPLANATION = "knnlm_take_explanation"
 
 
@@ -141,12 +141,27 @@ class StepView:
         return self._runner.input_batch.num_computed_tokens_cpu[rows.slot] + rows.token_index - query_start_loc[rows.slot]
 
     def on_first_rank(self, search, *args):
-        """`search(*args)` on tensor-parallel rank 0 only; every rank gets its result."""
+        """`search(*args)` on tensor-parallel rank 0 only; every rank gets its result, or raises its
+        error (the others would otherwise wait for the broadcast forever)."""
         if self.tp_size == 1:
             return search(*args)
         from vllm.distributed import get_tp_group
 
-        return get_tp_group().broadcast_object(search(*args) if self.tp_rank == 0 else None, src=0)
+        result = None
+        if self.tp_rank == 0:
+            try:
+                result = search(*args)
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                result = _Failed(f"{type(e).__name__}: {e}")
+        result = get_tp_group().broadcast_object(result, src=0)
+        if isinstance(result, _Failed):
+            raise RuntimeError(f"kNN search on tensor-parallel rank 0 failed: {result.error}")
+        return result
+
+
+class _Failed:
+    def __init__(self, error: str):
+        self.error = error
 
 
 class KnnWorkerExtension:
@@ -166,7 +181,9 @@ class KnnWorkerExtension:
         tracker = next((p for p in runner.input_batch.logitsprocs.all if isinstance(p, KnnRequestTracker)), None)
         if tracker is None:
             raise KnnlmError("vLLM was started without --logits-processors knnlm_serve.engine.plugin:KnnRequestTracker")
-        model.knn_logits = KnnLogits(Runtime.model_validate_json(runtime_json), tracker.batch, model.knn_capture, StepView(runner))
+        model.knn_logits = KnnLogits(
+            Runtime.model_validate_json(runtime_json), tracker.batch, tracker.faults, model.knn_capture, StepView(runner)
+        )
         logger.info("kNN attached to %s", type(model).__name__)
         # The cores vLLM bound this worker's threads to (all of them where it binds none): shard
         # actors on this host keep off them (ShardActor.keep_off).
@@ -177,14 +194,33 @@ class KnnWorkerExtension:
             "cpus": sorted(os.sched_getaffinity(0)),
         }
 
-    def knnlm_set_runtime(self, runtime_json: str) -> None:
-        self.model_runner.get_model().knn_logits.set_runtime(Runtime.model_validate_json(runtime_json))
+    # The methods below answer the registry between two steps. An error in one never leaves the
+    # worker: it comes back as {"error": ...} for the API server to report (engine/faults.py).
 
-    def knnlm_take_explanation(self, explain_id: str) -> str:
+    def knnlm_set_runtime(self, runtime_json: str) -> dict:
+        return _answer(lambda: self.model_runner.get_model().knn_logits.set_runtime(Runtime.model_validate_json(runtime_json)))
+
+    def knnlm_take_explanation(self, explain_id: str) -> dict:
         """The recorded rows of an explained request (JSON), once."""
-        return json.dumps(self.model_runner.get_model().knn_logits.explanations.take(explain_id))
+        return _answer(lambda: json.dumps(self.model_runner.get_model().knn_logits.explanations.take(explain_id)))
 
-    def knnlm_pinned_versions(self) -> list[list]:
-        knn = self.model_runner.get_model().knn_logits
-        knn.set_runtime(knn.runtime)  # also releases versions no request uses any more
-        return [list(key) for key in knn.batch.pinned_versions()]
+    def knnlm_worker_state(self) -> dict:
+        """Versions a running request is pinned to, and versions stopped after repeated errors."""
+
+        def state() -> dict:
+            knn = self.model_runner.get_model().knn_logits
+            knn.set_runtime(knn.runtime)  # also releases versions no request uses any more
+            return {
+                "pinned": [list(key) for key in knn.batch.pinned_versions()],
+                "unhealthy": [[*key, error] for key, error in knn.faults.unhealthy.items()],
+            }
+
+        return _answer(state)
+
+
+def _answer(call) -> dict:
+    try:
+        return {"result": call()}
+    except Exception as e:  # noqa: BLE001 - reported to the API server, which refuses what it asked
+        logger.exception("kNN worker RPC failed")
+        return {"error": f"{type(e).__name__}: {e}"}

@@ -22,10 +22,12 @@ from knnlm_core.config import ServeConfig, load_serve_config
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for, prepare_default_model
 from knnlm_core.errors import ConfigError, KnnlmError, ModelError
 from knnlm_core.model_dir import architecture_of, check_model_dir
+from knnlm_serve.logs import log_to_stderr
 
 logger = logging.getLogger("knnlm_serve")
 
 DEFAULT_DATASTORE = "default"
+V2_ONLY_FLAGS = ("--watermark-config",)  # vLLM options that switch its Model Runner V2 on whatever the environment says
 
 
 def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
@@ -61,6 +63,13 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     from knnlm_serve.engine.vllm_adapter import EXTENSION
 
     graph_flags = cuda_graph_flags(config, cuda=torch.cuda.is_available())  # refused before Ray starts
+    environment = vllm_environment(plugins=("knnlm", "knnlm_admin"))
+    v2_only = [a for a in config.vllm_args if a.split("=", 1)[0] in V2_ONLY_FLAGS]
+    if v2_only:
+        raise ConfigError(
+            f"vllm_args {v2_only[0]} needs vLLM's Model Runner V2, and kNN serving runs on the V1 model runner: "
+            "remove it, or serve without knn.datastores"
+        )
     architecture = architecture_of(model_dir)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
@@ -85,7 +94,8 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         info = registry.load(name, path, make_default=name == config.knn.default_name)
         logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
     publish_registry(registry)
-    os.environ.update(vllm_environment(plugins=("knnlm", "knnlm_admin")))
+    os.environ.update(environment)
+    logger.info("kNN runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): Model Runner V2 takes only its own logits processors")
     return ["--logits-processors", TRACKER, "--worker-extension-cls", EXTENSION, *graph_flags]
 
 
@@ -151,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ray-address", help="join this Ray cluster instead of starting a local one (knn.ray_address)")
     parser.add_argument("--force", action="store_true", help="prepare-model: convert again even if cached")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="knnlm-serve: %(message)s")
+    log_to_stderr()
     try:
         config = load_serve_config(args.config, model=args.model, host=args.host, port=args.port)
         if args.ray_address:
