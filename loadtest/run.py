@@ -431,11 +431,13 @@ def main() -> None:
         if args.swap_to != "none":
             listing = admin(base_url, args.admin_token, "GET", "/datastores")
             name = listing["default"]
+            # The listing shows paths relative to the server's knn.datastore_root, which is how a load names them.
             target = next(d["path"] for d in listing["datastores"] if d["name"] == name) if args.swap_to == "default" else args.swap_to
+            path = target if args.swap_to == "default" else str(Path(target).resolve())
             events.append(
                 (
                     {"event": "hot-swap", "to": target},
-                    lambda: admin(base_url, args.admin_token, "POST", "/datastores", {"name": name, "path": str(Path(target).resolve())}),
+                    lambda: admin(base_url, args.admin_token, "POST", "/datastores", {"name": name, "path": path}),
                 )
             )
         if args.kill_shard:

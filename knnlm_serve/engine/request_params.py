@@ -17,6 +17,8 @@ A knob the request leaves out takes the datastore's default (runtime.mix_default
 override, else the datastore's calibration, else the config's default; λ may be adaptive).
 Parsed the same way in the API server (to reject bad values with HTTP 400) and in the worker.
 Keys of other plugins pass; a misspelt `knn_*` key is refused rather than silently ignored.
+vLLM coerces `vllm_xargs` values before either sees them (JSON true becomes 1), so the API server
+also checks the types the client sent, in the raw JSON (`raw_type_error`, server/knob_types.py).
 """
 
 from __future__ import annotations
@@ -25,17 +27,40 @@ import math
 from dataclasses import dataclass
 
 from knnlm_core.config import AdaptiveLambda
-from knnlm_core.errors import KnnlmError
+from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve.runtime import Runtime, mix_defaults
 
 KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature", "knn_skip_threshold", "knn_pointers", "knn_explain")
 MAX_EXPLAIN_TOP = 64  # neighbours an explanation shows per token
 
 
+# Each knob's JSON type, as the client must send it.
+RAW_TYPES = {
+    "knn": ((bool,), "true or false"),
+    "knn_datastore": ((str,), "a datastore name (a string)"),
+    "knn_lambda": ((int, float), "a number"),
+    "knn_k": ((int,), "an integer"),
+    "knn_temperature": ((int, float), "a number"),
+    "knn_skip_threshold": ((int, float), "a number"),
+    "knn_pointers": ((int,), "an integer"),
+}
+
+
 class KnnParamError(KnnlmError):
+    kind = ErrorKind.MALFORMED
+
     def __init__(self, field: str, value, allowed: str):
         super().__init__(f"vllm_xargs.{field}={value!r} is invalid: must be {allowed}")
         self.field, self.value = field, value
+
+
+def raw_type_error(xargs: dict) -> KnnParamError | None:
+    """The first knob whose JSON value is not of its type (a boolean is no number, a number no boolean)."""
+    for field, (types, allowed) in RAW_TYPES.items():
+        value = xargs.get(field)
+        if field in xargs and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+            return KnnParamError(field, value, allowed)
+    return None
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@
 they are user routes behind vLLM's API key, not admin routes: server/explain.py.)
 
 Every route needs the `X-Admin-Token` header (the admin token is not the inference API key).
-Paths are resolved (symlinks too) and must lie inside `knn.datastore_root`. Domain errors carry
-their kind; `STATUS` maps it to an HTTP status here, and nowhere else.
+Names are 1-64 letters, digits, '-' and '_'. Paths are resolved (symlinks too) and must lie inside
+`knn.datastore_root`; responses and errors show them relative to it, never as server paths.
+Domain errors carry their kind; `STATUS` maps it to an HTTP status here, and nowhere else.
 
 The plugin's `init_state` also attaches vLLM's workers (collective_rpc, as vLLM's endpoint-plugin
 contract prescribes) and connects the registry to them: from then on admin changes reach every
@@ -29,9 +30,9 @@ from pathlib import Path
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
 from pydantic import BaseModel, ConfigDict
 
-from knnlm_core.config import KeyType
-from knnlm_core.errors import ErrorKind, KnnlmError
-from knnlm_serve.engine.vllm_adapter import ATTACH, PINNED_VERSIONS, SET_RUNTIME
+from knnlm_core.config import KeyType, datastore_name_problem
+from knnlm_core.errors import DatastoreError, ErrorKind, KnnlmError
+from knnlm_serve.engine.vllm_adapter import ATTACH, SET_RUNTIME, WORKER_STATE
 from knnlm_serve.runtime import Runtime
 from knnlm_serve.server.app_state import published_registry
 from knnlm_serve.server.registry import DatastoreRegistry
@@ -39,7 +40,14 @@ from knnlm_serve.server.registry import DatastoreRegistry
 logger = logging.getLogger("knnlm_serve")
 
 ADMIN_TOKEN_ENV = "KNNLM_ADMIN_TOKEN"
-STATUS = {ErrorKind.INVALID: 422, ErrorKind.NOT_FOUND: 404, ErrorKind.FORBIDDEN: 403, ErrorKind.UNAVAILABLE: 503}
+STATUS = {
+    ErrorKind.MALFORMED: 400,
+    ErrorKind.INVALID: 422,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.FORBIDDEN: 403,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.BUSY: 429,
+}
 RPC_TIMEOUT_S = 60.0
 
 
@@ -60,7 +68,7 @@ def admin_registry(request: Request, x_admin_token: str | None = Header(None)) -
     registry = getattr(request.app.state, "knnlm_registry", None)
     if registry is None:
         raise HTTPException(503, "kNN is not configured on this server (no knn.datastores)")
-    expected = registry.runtime.knn.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    expected = registry.config.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if not expected:
         raise HTTPException(403, f"the admin API is disabled: set knn.admin_token or {ADMIN_TOKEN_ENV}")
     if not x_admin_token or not hmac.compare_digest(x_admin_token.encode(), expected.encode()):
@@ -71,6 +79,10 @@ def admin_registry(request: Request, x_admin_token: str | None = Header(None)) -
 def resolve_in_root(root: str | None, path: str) -> Path:
     if root is None:
         raise KnnlmError("loading datastores through the admin API is disabled: set knn.datastore_root", ErrorKind.FORBIDDEN)
+    if not path or any(not c.isprintable() for c in path):
+        raise KnnlmError(
+            f"path {path!r} is invalid: give a directory below knn.datastore_root, without control characters", ErrorKind.MALFORMED
+        )
     root_dir = Path(root).expanduser().resolve()
     candidate = (root_dir / path).resolve()
     if not candidate.is_relative_to(root_dir):
@@ -78,11 +90,21 @@ def resolve_in_root(root: str | None, path: str) -> Path:
     return candidate
 
 
-def _admin_call(fn, *args, **kwargs):
+def check_name(name: str) -> None:
+    if problem := datastore_name_problem(name):
+        raise KnnlmError(f"name: {problem}", ErrorKind.MALFORMED)
+
+
+def http_error(e: KnnlmError, registry: DatastoreRegistry) -> HTTPException:
+    """The error's HTTP status, and its message with no server path in it."""
+    return HTTPException(STATUS[e.kind], registry.public(str(e)))
+
+
+def _admin_call(registry: DatastoreRegistry, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except KnnlmError as e:
-        raise HTTPException(STATUS[e.kind], str(e)) from None
+        raise http_error(e, registry) from None
 
 
 router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"])
@@ -95,23 +117,24 @@ def list_datastores(registry: DatastoreRegistry = Depends(admin_registry)) -> di
 
 @router.post("/datastores")
 def load_datastore(body: LoadRequest, registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
-    path = _admin_call(resolve_in_root, registry.runtime.knn.datastore_root, body.path)
+    _admin_call(registry, check_name, body.name)
+    path = _admin_call(registry, resolve_in_root, registry.config.datastore_root, body.path)
     try:
         info = registry.load(body.name, path, make_default=body.default, key_type=body.key_type)
     except KnnlmError as e:  # name the path as the client sent it: the server's absolute paths are not theirs
-        raise HTTPException(STATUS[e.kind], str(e).replace(str(path), body.path)) from None
-    return {"loaded": info.model_dump(), "default": registry.runtime.default}
+        raise HTTPException(STATUS[e.kind], registry.public(str(e).replace(str(path), body.path))) from None
+    return {"loaded": {**info.model_dump(), "path": registry.public_path(info.path)}, "default": registry.runtime.default}
 
 
 @router.put("/default")
 def set_default(body: DefaultRequest, registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
-    _admin_call(registry.set_default, body.name)
+    _admin_call(registry, registry.set_default, body.name)
     return {"default": body.name}
 
 
 @router.delete("/datastores/{name}")
 def unload_datastore(name: str, registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
-    _admin_call(registry.unload, name)
+    _admin_call(registry, registry.unload, name)
     return {"unloaded": name, "default": registry.runtime.default}
 
 
@@ -126,15 +149,22 @@ class VllmEngineLink:
     def __init__(self, engine_client, loop: asyncio.AbstractEventLoop):
         self._engine_client, self._loop = engine_client, loop
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args) -> list:
+        """Each worker's answer; a worker's error (vllm_adapter's `_answer`) refuses what was asked."""
         rpc = self._engine_client.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args)
-        return asyncio.run_coroutine_threadsafe(rpc, self._loop).result(RPC_TIMEOUT_S)
+        answers = asyncio.run_coroutine_threadsafe(rpc, self._loop).result(RPC_TIMEOUT_S)
+        for answer in answers:
+            if "error" in answer:
+                raise DatastoreError(f"vLLM's worker could not apply it ({answer['error']}); nothing changed", ErrorKind.UNAVAILABLE)
+        return [answer["result"] for answer in answers]
 
     def set_runtime(self, runtime: Runtime) -> None:
         self._call(SET_RUNTIME, runtime.model_dump_json())
 
-    def pinned_versions(self) -> set[tuple[str, int]]:
-        return {(name, version) for worker in self._call(PINNED_VERSIONS) for name, version in worker}
+    def worker_state(self) -> tuple[set[tuple[str, int]], dict[tuple[str, int], str]]:
+        states = self._call(WORKER_STATE)
+        pinned = {(name, version) for state in states for name, version in state["pinned"]}
+        return pinned, {(name, version): error for state in states for name, version, error in state["unhealthy"]}
 
 
 def model_cpus(attached: list[dict]) -> dict[str, list[int]]:
@@ -153,9 +183,11 @@ class KnnAdminPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         from knnlm_serve.server.explain import router as explain_router
+        from knnlm_serve.server.knob_types import KnobTypesMiddleware
 
         app.include_router(router)
         app.include_router(explain_router)
+        app.add_middleware(KnobTypesMiddleware)
 
     async def init_state(self, engine_client, state, args) -> None:
         registry = published_registry()

@@ -31,11 +31,12 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from knnlm_core.datastore import MANIFEST, read_manifest
-from knnlm_core.errors import KnnlmError
+from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.provenance import Provenance
+from knnlm_serve.engine.explanations import MAX_REQUESTS
 from knnlm_serve.engine.request_params import MAX_EXPLAIN_TOP, KnnParamError, parse_knn_params
 from knnlm_serve.engine.vllm_adapter import TAKE_EXPLANATION
-from knnlm_serve.server.admin import STATUS
+from knnlm_serve.server.admin import http_error
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -75,10 +76,6 @@ def _registry(request: Request):
     return registry
 
 
-def _http(e: KnnlmError) -> HTTPException:
-    return HTTPException(STATUS[e.kind], str(e))
-
-
 @router.get("/documents/{datastore}/{document}")
 def get_document(datastore: str, document: int, request: Request) -> dict:
     info = _registry(request).runtime.datastores.get(datastore)
@@ -89,7 +86,7 @@ def get_document(datastore: str, document: int, request: Request) -> dict:
         provenance = provenance_of(info.path)
         tokens = provenance.tokens(document)
     except KnnlmError as e:
-        raise _http(e) from None
+        raise http_error(e, _registry(request)) from None
     return {
         "datastore": {"name": info.name, "version": info.version},
         **provenance.table.describe(document),
@@ -100,36 +97,48 @@ def get_document(datastore: str, document: int, request: Request) -> dict:
 
 @router.post("/explain")
 async def explain(body: ExplainRequest, request: Request) -> dict:
+    """Refused with a 429 while as many explanations are running as the worker's evidence log
+    holds (engine/explanations.py): an explanation is whole or not given."""
+    registry = _registry(request)
+    running = getattr(request.app.state, "knnlm_explaining", 0)
+    if running >= MAX_REQUESTS:
+        error = KnnlmError(f"{running} explanations are running, the most this server records at once; retry shortly", ErrorKind.BUSY)
+        raise http_error(error, registry)
+    request.app.state.knnlm_explaining = running + 1
+    try:
+        return await _explain(body, request, registry)
+    except KnnlmError as e:
+        raise http_error(e, registry) from None
+    finally:
+        request.app.state.knnlm_explaining -= 1
+
+
+async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
     from vllm import SamplingParams
 
-    registry = _registry(request)
     engine = request.app.state.engine_client
     xargs = dict(body.vllm_xargs)
     top = xargs.pop("knn_explain", 5)
     if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= MAX_EXPLAIN_TOP:
-        raise HTTPException(
-            400, f"vllm_xargs.knn_explain={top!r} is invalid: must be an integer in [1, {MAX_EXPLAIN_TOP}] (neighbours per token)"
-        )
+        raise KnnParamError("knn_explain", top, f"an integer in [1, {MAX_EXPLAIN_TOP}] (neighbours per token)")
     explain_id = uuid.uuid4().hex
     xargs["knn_explain"] = {"id": explain_id, "top": top}
-    try:
-        params = parse_knn_params(xargs, registry.runtime)
-    except KnnParamError as e:
-        raise HTTPException(400, str(e)) from None
+    params = parse_knn_params(xargs, registry.runtime)
     if not params.active:
-        raise HTTPException(400, "kNN is off for this request (vllm_xargs knn false or knn_lambda 0): there is nothing to explain")
-    try:
-        provenance_of(registry.runtime.datastores[params.datastore].path)
-    except KnnlmError as e:
-        raise _http(e) from None
+        raise KnnlmError(
+            "kNN is off for this request (vllm_xargs knn false or knn_lambda 0): there is nothing to explain", ErrorKind.MALFORMED
+        )
+    provenance_of(registry.runtime.datastores[params.datastore].path)
 
     tokenizer = engine.get_tokenizer()
     prompt = tokenizer(body.prompt).input_ids
     scored = tokenizer(body.completion, add_special_tokens=False).input_ids if body.completion else []
     if body.completion and not scored:
-        raise HTTPException(400, "the completion to score has no tokens")
+        raise KnnlmError("the completion to score has no tokens", ErrorKind.MALFORMED)
     if len(scored) > MAX_EXPLAINED_TOKENS:
-        raise HTTPException(400, f"the completion has {len(scored)} tokens; at most {MAX_EXPLAINED_TOKENS} are explained at once")
+        raise KnnlmError(
+            f"the completion has {len(scored)} tokens; at most {MAX_EXPLAINED_TOKENS} are explained at once", ErrorKind.MALFORMED
+        )
     sampling = SamplingParams(
         max_tokens=1 if scored else body.max_tokens,
         temperature=body.temperature,
@@ -141,11 +150,13 @@ async def explain(body: ExplainRequest, request: Request) -> dict:
     try:
         async for output in engine.generate({"prompt_token_ids": prompt + scored}, sampling, f"knn-explain-{explain_id}"):
             final = output
-    except (ValueError, KnnlmError) as e:  # vLLM's validation (prompt too long, ...) and ours
-        raise HTTPException(400, str(e)) from None
+    except ValueError as e:  # vLLM's validation (prompt too long, ...)
+        raise KnnlmError(str(e), ErrorKind.MALFORMED) from None
     finally:
-        rows = await asyncio.wait_for(engine.collective_rpc(TAKE_EXPLANATION, timeout=RPC_TIMEOUT_S, args=(explain_id,)), RPC_TIMEOUT_S)
-    by_position = {row["position"]: row for row in json.loads(rows[0])}
+        answers = await asyncio.wait_for(engine.collective_rpc(TAKE_EXPLANATION, timeout=RPC_TIMEOUT_S, args=(explain_id,)), RPC_TIMEOUT_S)
+    if "error" in answers[0]:
+        raise KnnlmError(f"the worker could not return the explanation ({answers[0]['error']}); retry", ErrorKind.UNAVAILABLE)
+    by_position = {row["position"]: row for row in json.loads(answers[0]["result"])}
 
     if scored:  # row p predicts token p + 1; the scored tokens follow the prompt
         first = len(prompt)
@@ -156,28 +167,31 @@ async def explain(body: ExplainRequest, request: Request) -> dict:
         completion = final.outputs[0]
         explained = [(len(prompt) - 1 + i, t, completion.logprobs[i][t].logprob) for i, t in enumerate(completion.token_ids)]
         tokens = prompt + list(completion.token_ids)
-    pinned = next(iter(by_position.values()), {}).get("datastore")
-    try:
-        explanation = [
-            explain_token(by_position.get(position), token, logprob, top, body.snippet_tokens, tokenizer)
-            for position, token, logprob in explained
-        ]
-    except KnnlmError as e:  # the request was pinned to a version swapped in without provenance
-        raise _http(e) from None
+    missing = sum(position not in by_position for position, _, _ in explained)
+    if missing:
+        raise KnnlmError(
+            f"the evidence of {missing} of {len(explained)} tokens was not recorded (the datastore was unloaded or swapped "
+            "while the request waited); retry",
+            ErrorKind.UNAVAILABLE,
+        )
+    pinned = next(iter(by_position.values()))["datastore"]
+    explanation = [
+        explain_token(by_position[position], token, logprob, top, body.snippet_tokens, tokenizer) for position, token, logprob in explained
+    ]
     return {
-        "datastore": {"name": pinned[0], "version": pinned[1]} if pinned else {"name": params.datastore, "version": None},
+        "datastore": {"name": pinned[0], "version": pinned[1]},
         "prompt_tokens": len(prompt),
         "text": tokenizer.decode(tokens[len(prompt) :]),
         "tokens": explanation,
     }
 
 
-def explain_token(row: dict | None, token: int, logprob: float, top: int, width: int, tokenizer) -> dict:
+def explain_token(row: dict, token: int, logprob: float, top: int, width: int, tokenizer) -> dict:
     """One token's mixture and its top neighbours by weight, each with its document and a snippet."""
     served = float(np.exp(logprob))
-    out = {"token": tokenizer.decode([token]), "token_id": token, "logprob": logprob, "status": row["status"] if row else "lm_only"}
-    if row is None or "ids" not in row:  # skipped, fallback, or not recorded: the LM alone served it
-        p_lm = float(np.exp(row["lm"][str(token)])) if row and str(token) in row["lm"] else served
+    out = {"token": tokenizer.decode([token]), "token_id": token, "logprob": logprob, "status": row["status"]}
+    if "ids" not in row:  # skipped or fallback: the LM alone served it
+        p_lm = float(np.exp(row["lm"][str(token)])) if str(token) in row["lm"] else served
         return {**out, "lambda": 0.0, "p_lm": p_lm, "p_knn": None, "p": p_lm, "neighbours": []}
     lam = row["lambda"]
     distances, values, ids = np.array(row["distances"]), np.array(row["tokens"]), np.array(row["ids"])
