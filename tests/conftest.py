@@ -27,6 +27,9 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 
 TINY_SERVER = {"served_model_name": "tiny", "enforce_eager": True, "kv_cache_gib": 0.25, "max_model_len": 512}
+# kNN settings every test server takes unless it tests fail-open itself: an error in kNN's per-step
+# path stops the engine, so a bug fails its test instead of being served LM-only (engine/faults.py).
+STRICT_KNN = {"fail_open": False}
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +37,25 @@ def plain_tiny_server(tiny_model_dir, tmp_path_factory):
     """Stock vLLM behaviour: the tiny model served with no datastore."""
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir)}, tmp_path_factory.mktemp("plain")) as server:
         yield server
+
+
+def until(condition, timeout: float, what: str) -> None:
+    """Wait for `condition()`, failing with `what` after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.25)
+
+
+def continuations(model_dir: Path, prefix: str, texts: dict[str, str], length: int) -> dict[str, list[int]]:
+    """The token ids of `prefix` ("prompt"), and of each text's `length` tokens after it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt = tokenizer(prefix).input_ids
+    return {"prompt": prompt, **{k: tokenizer(t).input_ids[len(prompt) : len(prompt) + length] for k, t in texts.items()}}
 
 
 def prompt_logprobs(server, prompt: list[int], model: str = "tiny", **xargs):
@@ -63,11 +85,18 @@ def greedy(server, prompt, max_tokens: int, model: str = "tiny", **xargs):
 
 
 def stream_while(
-    server, prompt: list[int], max_tokens: int, during, clients: int = 16, model: str = "tiny", gaps: list | None = None
+    server,
+    prompt: list[int],
+    max_tokens: int,
+    during,
+    clients: int = 16,
+    model: str = "tiny",
+    gaps: list | None = None,
+    xargs: dict | None = None,
 ) -> tuple[list, list]:
-    """`clients` threads stream greedy completions of `prompt` back to back while `during()` runs;
-    the token ids of every response, and every failure. `gaps` collects each response's longest
-    wait between two chunks."""
+    """`clients` threads stream greedy completions of `prompt` (with these vllm_xargs) back to back
+    while `during()` runs; the token ids of every response, and every failure. `gaps` collects each
+    response's longest wait between two chunks."""
     import threading
     import time
 
@@ -83,7 +112,7 @@ def stream_while(
                     max_tokens=max_tokens,
                     temperature=0,
                     stream=True,
-                    extra_body={"return_token_ids": True},
+                    extra_body={"return_token_ids": True, **({"vllm_xargs": xargs} if xargs else {})},
                 )
                 tokens, last, longest = [], None, 0.0
                 for chunk in stream:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import greedy, prompt_logprobs
+from conftest import STRICT_KNN, greedy, prompt_logprobs
 from tiny_models import ARCHITECTURES, make_tiny_model
 
 from index_builder.build import build_datastore
@@ -74,7 +74,7 @@ def served(request, smollm2_dir, tmp_path_factory):
     (work / "plain").mkdir()
     with RunningServer({**SERVER, "model": str(model)}, work / "plain") as plain:
         reference = {"completion": complete(plain, prompt), "prompt_logprobs": prompt_logprobs(plain, ids)}
-    knn = {"datastores": {k: str(v) for k, v in datastores.items()}, "backend": "local", "k": K, "max_k": K}
+    knn = {"datastores": {k: str(v) for k, v in datastores.items()}, "backend": "local", "k": K, "max_k": K, **STRICT_KNN}
     with RunningServer({**SERVER, "model": str(model), "knn": knn}, work) as server:
         yield Served(architecture, model, ids, datastores, server, reference)
 

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import requests
-from conftest import TINY_SERVER, prompt_logprobs
+from conftest import STRICT_KNN, TINY_SERVER, prompt_logprobs
 
 from index_builder.build import build_datastore
 from index_builder.default_datastore import stdlib_documents
@@ -177,6 +177,7 @@ def server(datastores, tiny_model_dir):
         "overrides": {"explicit": explicit, "override": {"lambda": 0.9, "k": 4, "temperature": 0.5}},
         "admin_token": TOKEN,
         "datastore_root": str(datastores),
+        **STRICT_KNN,
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, datastores) as server:
         yield server

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import requests
-from conftest import TINY_SERVER, greedy, stream_while
+from conftest import STRICT_KNN, TINY_SERVER, greedy, stream_while, until
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -73,6 +73,7 @@ def serve(tiny_model_dir, cluster, root, **knn_settings):
         # Room for a loaded machine: a new version's actors on the one-CPU node answered their first
         # steps after a swap in over 1 s on CI (every row LM-only for those steps).
         "shard_timeout_s": 3.0,
+        **STRICT_KNN,
         **knn_settings,
     }
     workdir = root / knn["ray_namespace"]  # the server's log and config
@@ -100,13 +101,6 @@ def fallbacks(server) -> float:
 
 def complete(server, ids) -> list[int]:
     return greedy(server, ids["prompt"], CONTINUATION).token_ids
-
-
-def until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.5)
 
 
 def test_shards_live_on_the_node_with_their_resource(server, cluster, ids):

@@ -3,6 +3,8 @@ request knobs, and the FFN-input rule, against recorded batches."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -223,3 +225,53 @@ def test_a_users_compilation_config_is_refused_on_a_gpu():
             cuda_graph_flags(config, cuda=True)
         assert cuda_graph_flags(config, cuda=False) == []
         assert cuda_graph_flags(config.model_copy(update={"enforce_eager": True}), cuda=True) == []
+
+
+def test_the_engine_environment_selects_the_v1_model_runner_even_where_triton_is_present(monkeypatch):
+    """vLLM picks Model Runner V2 on every Triton (every CUDA) host, and V2 would refuse our logits
+    processor; the environment knnlm-serve and knnlm-eval hand vLLM keeps it on V1."""
+    import vllm.config.vllm as vllm_config_module
+    from vllm.config import VllmConfig
+
+    from knnlm_serve.engine.plugin import vllm_environment
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert VllmConfig().use_v2_model_runner  # vLLM's own choice on a Triton host
+    for key, value in vllm_environment().items():
+        monkeypatch.setenv(key, value)
+    assert not VllmConfig().use_v2_model_runner
+
+
+def test_asking_for_model_runner_v2_with_knn_is_refused_naming_the_setting(monkeypatch):
+    from knnlm_core.errors import KnnlmError
+    from knnlm_serve.engine.plugin import vllm_environment
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(KnnlmError, match="VLLM_USE_V2_MODEL_RUNNER"):
+        vllm_environment()
+
+
+def test_workers_get_no_admin_token_and_no_datastore_root():
+    from knnlm_serve.runtime import ServedModel
+    from knnlm_serve.server.registry import DatastoreRegistry
+
+    knn = KnnConfig(admin_token="s3cret-admin-token", datastore_root="/srv/datastores-root", backend="local")
+    registry = DatastoreRegistry(knn, ServedModel(Path("/m"), "LlamaForCausalLM", "f", 64, True), None)
+    pushed = registry.runtime.model_dump_json()  # what every vLLM worker receives (vllm_adapter.knnlm_attach / set_runtime)
+    assert "s3cret-admin-token" not in pushed and "/srv/datastores-root" not in pushed
+    assert registry.config.admin_token == "s3cret-admin-token"  # the API server keeps it
+
+
+def test_a_failed_batch_update_forgets_the_batch_instead_of_stopping_the_engine():
+    from knnlm_serve.engine.plugin import KnnRequestTracker
+
+    tracker = KnnRequestTracker(None, "cpu", False)
+    tracker.update_state(update(1, add=[added(0, knn=True)]))
+    assert len(tracker.batch) == 1
+    tracker.update_state(update(1, add=[("not", "a", "request")]))  # as if vLLM had changed its format
+    assert len(tracker.batch) == 0  # its requests are served as plain vLLM would
+    assert tracker.batch.resolve(0, runtime(info("wiki", 1))).params.active is False
+    tracker.faults.fail_open = False  # the test suite's servers: loud
+    with pytest.raises(ValueError):
+        tracker.update_state(update(1, add=[("not", "a", "request")]))

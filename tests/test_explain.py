@@ -10,7 +10,7 @@ import numpy as np
 import openai
 import pytest
 import requests
-from conftest import TINY_SERVER, prompt_logprobs
+from conftest import STRICT_KNN, TINY_SERVER, prompt_logprobs
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -46,7 +46,13 @@ def server(tiny_model_dir, tmp_path_factory):
     build_datastore([corpus], work / "old", tiny_model_dir, BuildConfig(index="flat", context_length=128, stride=64), progress=False)
     write_manifest(work / "old", read_manifest(work / "old").model_copy(update={"provenance": None}))
     (work / "old" / "provenance.json").unlink()
-    knn = {"datastores": {"docs": str(work / "docs"), "old": str(work / "old")}, "default_datastore": "docs", "k": 8, "lambda": LAMBDA}
+    knn = {
+        "datastores": {"docs": str(work / "docs"), "old": str(work / "old")},
+        "default_datastore": "docs",
+        "k": 8,
+        "lambda": LAMBDA,
+        **STRICT_KNN,
+    }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
         yield server
 

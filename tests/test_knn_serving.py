@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from conftest import TINY_SERVER, greedy, prompt_logprobs
+from conftest import STRICT_KNN, TINY_SERVER, greedy, prompt_logprobs
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -49,6 +49,7 @@ def knn_server(tiny_model_dir, tmp_path_factory):
         "adaptive_lambda": {"b": {"lambda_max": 1.0, "slope": 1.0, "center": 20.0}},
         "overlap": False,  # searches after the logits, only of the rows the skip rule keeps: the reference for overlap
         "compiled_graphs": False,  # plain actor calls: the reference for compiled graphs
+        **STRICT_KNN,
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
         yield server

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import requests
-from conftest import TINY_SERVER, greedy, make_tiny_llama, prompt_logprobs, stream_while
+from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy, make_tiny_llama, prompt_logprobs, stream_while
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -53,6 +53,7 @@ def server(tiny_model_dir, root):
         "admin_token": TOKEN,
         "datastore_root": str(root),
         "shard_timeout_s": 3.0,
+        **STRICT_KNN,
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
         yield server
@@ -60,14 +61,7 @@ def server(tiny_model_dir, root):
 
 @pytest.fixture(scope="module")
 def ids(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    prefix = tokenizer(PREFIX).input_ids
-    return {
-        "prompt": prefix,
-        **{k: tokenizer(t).input_ids[len(prefix) : len(prefix) + CONTINUATION] for k, t in (("a", TEXT_A), ("b", TEXT_B))},
-    }
+    return continuations(tiny_model_dir, PREFIX, {"a": TEXT_A, "b": TEXT_B}, CONTINUATION)
 
 
 def admin(server, method, route, token=TOKEN, **body):
