@@ -31,8 +31,9 @@ from wikitext import WIKITEXT, prepare_corpus
 from index_builder.build import build_datastore
 from index_builder.default_datastore import stdlib_documents
 from knnlm_core.config import BuildConfig, EvalConfig
-from knnlm_core.datastore import MANIFEST, read_manifest
+from knnlm_core.datastore import read_manifest
 from knnlm_core.default_model import prepare_default_model
+from knnlm_core.manifest import MANIFEST
 from knnlm_core.model_dir import cache_dir
 from knnlm_serve.eval.run import evaluate
 

@@ -46,9 +46,10 @@ from retrieval_latency import KEYS_STREAM, QUERY_STREAM, ClusteredVectors  # noq
 
 from index_builder.build import build_from_keys  # noqa: E402
 from knnlm_core.config import BuildConfig  # noqa: E402
-from knnlm_core.datastore import ModelIdentity, read_manifest  # noqa: E402
+from knnlm_core.datastore import read_manifest  # noqa: E402
 from knnlm_core.errors import ConfigError  # noqa: E402
 from knnlm_core.keys import KeyEncoder  # noqa: E402
+from knnlm_core.manifest import ModelIdentity
 from knnlm_core.mixture import interpolate  # noqa: E402
 from knnlm_core.search import ShardSearcher, flat_keys, merge_topk, search_index, shard_first_ids  # noqa: E402
 

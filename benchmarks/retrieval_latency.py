@@ -64,8 +64,9 @@ import knnlm_core  # noqa: E402
 from index_builder.build import build_from_keys  # noqa: E402
 from index_builder.faiss_index import index_factory_string  # noqa: E402
 from knnlm_core.config import BuildConfig  # noqa: E402
-from knnlm_core.datastore import ModelIdentity, read_manifest  # noqa: E402
+from knnlm_core.datastore import read_manifest  # noqa: E402
 from knnlm_core.files import write_json_atomic  # noqa: E402
+from knnlm_core.manifest import ModelIdentity
 
 DIM = 576  # SmolLM2-135M hidden size
 VOCAB = 49_152  # SmolLM2 vocabulary

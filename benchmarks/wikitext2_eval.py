@@ -30,8 +30,8 @@ from wikitext import WIKITEXT, prepare_corpus  # noqa: E402  (un-escapes and cut
 
 from index_builder.build import build_datastore  # noqa: E402
 from knnlm_core.config import BuildConfig, EvalConfig
-from knnlm_core.datastore import MANIFEST  # noqa: E402
 from knnlm_core.default_model import prepare_default_model
+from knnlm_core.manifest import MANIFEST  # noqa: E402
 from knnlm_core.model_dir import cache_dir  # noqa: E402
 from knnlm_serve.eval.report import markdown_table, write_report  # noqa: E402
 from knnlm_serve.eval.run import evaluate  # noqa: E402

@@ -20,38 +20,26 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import faiss
 import numpy as np
 from tqdm import tqdm
 
 import knnlm_core
 from index_builder.calibrate import calibrate_on
-from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string, needs_training, train_index
-from knnlm_core.calibration import MIN_HELDOUT_TOKENS, split_heldout
+from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string
+from index_builder.shards import add_shards, train_once
 from knnlm_core.config import BuildConfig, KeyType
 from knnlm_core.corpus import doc_offsets, find_files, iter_documents, token_ids
-from knnlm_core.datastore import (
-    MANIFEST,
-    BuildStats,
-    CorpusStats,
-    IndexSpec,
-    Manifest,
-    ModelIdentity,
-    ShardEntry,
-    file_entry,
-    write_manifest,
-)
+from knnlm_core.datastore import file_entry, write_manifest
 from knnlm_core.errors import CorpusError, DatastoreError, ModelError
 from knnlm_core.files import write_json_atomic
+from knnlm_core.heldout import MIN_HELDOUT_TOKENS, split_heldout
 from knnlm_core.keys import KeyEncoder, encode_windows
+from knnlm_core.manifest import MANIFEST, BuildStats, CorpusStats, IndexSpec, Manifest, ModelIdentity
 from knnlm_core.model_dir import check_model_dir, model_fingerprint
 from knnlm_core.provenance import PROVENANCE, DocumentTable
-from knnlm_core.search import set_nprobe
 from knnlm_core.windows import plan_windows, window_values
 
 logger = logging.getLogger("index_builder")
-
-ADD_BATCH = 65_536
 
 
 def build_datastore(
@@ -183,8 +171,8 @@ def _index_keys(
 ) -> Manifest:
     """Train the quantizer and add the shards (each phase resumable in `work`); the manifest to write."""
     factory = index_factory_string(config.index, len(keys), keys.shape[1], config.pca_dim)
-    train_size = _train(work, keys, factory, config, progress)
-    shards = _add_shards(work, keys, values, config, progress)
+    train_size = train_once(work, keys, factory, config, progress)
+    shards = add_shards(work, keys, values, config, progress)
     manifest = Manifest(
         model=model,
         key_type=key_type,
@@ -275,66 +263,6 @@ def _encode(work: Path, tokens: np.ndarray, plan, encoder: KeyEncoder, config: B
         write_json_atomic(progress_file, {"batches_done": batch + 1})
 
     return encode_windows(encoder, tokens, plan, keys, config.batch_size, first_batch=done, after_batch=durable, progress=progress)
-
-
-def _train(work: Path, keys: np.ndarray, factory: str, config: BuildConfig, progress: bool) -> int:
-    trained = work / "trained.faiss"
-    if trained.exists():
-        return json.loads((work / "trained.json").read_text())["train_size"]
-    if not needs_training(factory, keys.shape[1]):
-        faiss.write_index(faiss.index_factory(keys.shape[1], factory, faiss.METRIC_L2), str(trained))
-        write_json_atomic(work / "trained.json", {"train_size": 0})
-        return 0
-    rng = np.random.default_rng(config.seed)
-    n = min(len(keys), config.train_sample)
-    sample = np.asarray(keys[np.sort(rng.choice(len(keys), n, replace=False))], dtype=np.float32)
-    logger.info("train: %s on %s keys ...", factory, f"{n:,}")
-    t0 = time.monotonic()
-    index, trained_on = train_index(factory, sample, seed=config.seed)
-    faiss.write_index(index, str(work / ".trained.faiss.tmp"))
-    os.replace(work / ".trained.faiss.tmp", trained)
-    write_json_atomic(work / "trained.json", {"train_size": trained_on})
-    logger.info("train: done in %.1f s", time.monotonic() - t0)
-    return trained_on
-
-
-def _add_shards(work: Path, keys: np.ndarray, values: np.ndarray, config: BuildConfig, progress: bool) -> list[ShardEntry]:
-    """Split the entries evenly into contiguous shards; each is added to a clone of the trained index."""
-    bounds = np.linspace(0, len(keys), config.shards + 1).astype(np.int64)
-    bar = tqdm(total=len(keys), unit="key", unit_scale=True, desc="add", disable=not progress)
-    shards = []
-    for s in range(config.shards):
-        lo, hi = int(bounds[s]), int(bounds[s + 1])
-        name = f"shard-{s:03d}"
-        final = work / name
-        if not final.exists():
-            tmp = work / f".{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            index = faiss.read_index(str(work / "trained.faiss"))
-            set_nprobe(index, DEFAULT_NPROBE)
-            for start in range(lo, hi, ADD_BATCH):
-                end = min(start + ADD_BATCH, hi)
-                index.add(np.asarray(keys[start:end], dtype=np.float32))
-                bar.update(end - start)
-            faiss.write_index(index, str(tmp / "index.faiss"))
-            np.save(tmp / "values.npy", np.asarray(values[lo:hi], dtype=np.int32))
-            if config.keep_keys:
-                np.save(tmp / "keys.npy", np.asarray(keys[lo:hi], dtype=np.float16))
-            os.replace(tmp, final)
-        else:
-            bar.update(hi - lo)
-        shards.append(
-            ShardEntry(
-                name=name,
-                entries=hi - lo,
-                index=file_entry(work, final / "index.faiss"),
-                values=file_entry(work, final / "values.npy"),
-                keys=file_entry(work, final / "keys.npy") if config.keep_keys else None,
-            )
-        )
-    bar.close()
-    return shards
 
 
 def _publish(work: Path, output: Path, progress: bool) -> Manifest:

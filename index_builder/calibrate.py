@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 from knnlm_core.calibration import (
-    MIN_HELDOUT_TOKENS,
     fit_calibration,
     fit_pointers,
     fitting_half,
@@ -27,13 +26,14 @@ from knnlm_core.calibration import (
     pointer_curve,
     served_log_prob,
     served_with_skips,
-    split_heldout,
 )
 from knnlm_core.config import BuildConfig, SweepGrid
 from knnlm_core.corpus import find_files, tokenize_files
-from knnlm_core.datastore import Calibration, Manifest, check_compatible, load_document_starts, read_manifest, write_manifest
+from knnlm_core.datastore import check_compatible, load_document_starts, read_manifest, write_manifest
 from knnlm_core.errors import CorpusError
+from knnlm_core.heldout import MIN_HELDOUT_TOKENS, split_heldout
 from knnlm_core.keys import KeyEncoder, encode_windows
+from knnlm_core.manifest import Calibration, Manifest
 from knnlm_core.model_dir import model_fingerprint
 from knnlm_core.pointers import consecutive, shard_lookup
 from knnlm_core.search import open_shards, search_many

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
-from knnlm_core.datastore import MANIFEST
+from knnlm_core.manifest import MANIFEST
 from knnlm_core.model_dir import cache_dir, model_fingerprint
 
 logger = logging.getLogger("index_builder")

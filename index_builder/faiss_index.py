@@ -19,18 +19,14 @@ logger = logging.getLogger("index_builder")
 
 PRESETS = ("auto", "flat", "ivfpq", "hnsw")
 # `--index auto`: exact below this many entries, IVF-PQ above: exact while its search costs at
-# most ~3x IVF-PQ's. From benchmarks/results/search_backends.json (2 threads, 576-d, batch 32, k
-# 1024, p50): the exact search flat shards use (torch) takes 7.6 / 16 / 32 / 82 / 244 ms at 3k /
-# 10k / 30k / 100k / 300k entries, 8-bit IVF-PQ (nprobe 32; the preset then) 11 / 10 / 10 / 16 / 23
-# ms: 3.2x at 30k, 5.0x at 100k (FAISS's own flat search: 87 ms at 30k). Fast-scan codes (the
-# preset now) search faster still, so the line is if anything conservative.
+# most ~3x IVF-PQ's (benchmarks/results/search_backends.json; docs/performance.md). Fast-scan
+# codes search faster still, so the line is if anything conservative.
 AUTO_FLAT_BELOW = 30_000
 DEFAULT_NPROBE = 32
 # An IVF index given an HNSW coarse quantizer (a factory string such as "IVF16384_HNSW32,PQ64np")
-# searches its graph with this beam, saved with the index. Measured on the 10M scale store (16384
-# lists, 2 threads): ef 16 (FAISS's default) puts only 88% of keys in the list exhaustive
-# assignment picks, ef 128 99% at 5.8k keys/s; exhaustive assignment (BLAS) runs at 11k keys/s,
-# so the presets keep the flat quantizer at the sizes measured here.
+# searches its graph with this beam, saved with the index: FAISS's default (16) puts keys in other
+# lists than exhaustive assignment picks far more often, and exhaustive assignment is faster
+# still at the presets' sizes, so the presets keep the flat quantizer.
 HNSW_QUANTIZER_EF_SEARCH = 128
 OUTLIER_PEAK_FACTOR = 2.0  # see typical_keys
 
@@ -52,9 +48,8 @@ def index_factory_string(preset: str, entries: int, dim: int, pca_dim: int | Non
         nlist = 2 ** round(math.log2(max(4 * math.sqrt(entries), 1)))
         nlist = int(min(nlist, 65536, max(1, entries // 39)))
         # 4-bit fast-scan PQ, 4 dimensions a sub-quantizer (d / 8 bytes an entry; at most 256 of
-        # them, fewer where the dimension does not divide): over the same WikiText-2 keys it serves
-        # the kNN-LM perplexity of the paper's 8-bit PQ64 (15.753 vs 15.756) with a 3.4x faster
-        # decode-step search (2.4 vs 8.3 ms, batch 32, one thread; benchmarks/pq_codes.py).
+        # them, fewer where the dimension does not divide): the kNN-LM perplexity of 8-bit PQ64
+        # with a faster decode-step search (benchmarks/pq_codes.py; docs/performance.md).
         m = max(x for x in range(1, max(1, min(d // 4, 256)) + 1) if d % x == 0)
         return f"{prefix}IVF{nlist},PQ{m}x4fs"
     return preset  # a FAISS factory string given verbatim

@@ -7,7 +7,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from knnlm_core.datastore import Manifest, read_manifest, verify_checksums
+from knnlm_core.datastore import read_manifest, verify_checksums
+from knnlm_core.manifest import Manifest
 from knnlm_core.provenance import Provenance
 from knnlm_core.search import ShardSearcher, merge_topk, open_shards
 

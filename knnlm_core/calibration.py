@@ -8,9 +8,6 @@ LM's top token, the k nearest distances and whether each neighbour's value is th
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-
 import numpy as np
 
 from knnlm_core.config import SweepGrid
@@ -86,9 +83,8 @@ def narrowest_nprobe(widest: int, tolerance: float, fit_at) -> tuple[int, tuple,
     fits, returning (fit, *its arrays). Returns the narrowest nprobe that stayed within, what
     `fit_at` returned for it, and the curve of every nprobe tried.
 
-    An IVF-PQ search's cost is mostly the codes it scans, linear in nprobe: at batch 32 over the
-    118k IVF1024,PQ64 WikiText-2 store, 12 ms at nprobe 32 against 5.5 at 8 on this CPU; approximate
-    search often loses nothing measurable at a fraction of the build's default breadth."""
+    An IVF-PQ search's cost is mostly the codes it scans, linear in nprobe, and approximate search
+    often loses nothing measurable at a fraction of the build's default breadth."""
     chosen, fitted = widest, fit_at(widest)
     curve = [{"nprobe": widest, **_best_point(fitted[0])}]
     best = curve[0]["tune_ppl"]
@@ -234,70 +230,6 @@ def fit_pointers(curve: list[dict], reference_tune_ppl: float, reference_report_
         "full_ppl": reference_report_ppl,
         "tolerance": tolerance,
     }
-
-
-# ------------------------------------------------------------------ the held-out slice of a corpus
-
-HELDOUT_SHARE = 0.10  # of the corpus's tokens, at most
-MAX_HELDOUT_TOKENS = 8192
-MIN_HELDOUT_TOKENS = 1024  # below this a fit is noise: the corpus is calibrated on nothing
-
-
-@dataclass(frozen=True)
-class HeldOut:
-    """A corpus split into what the index keeps and the slice held out to calibrate on."""
-
-    index_tokens: np.ndarray
-    index_offsets: np.ndarray
-    index_documents: np.ndarray  # int64: which corpus document each of the index's documents is
-    tokens: np.ndarray
-    offsets: np.ndarray
-    description: str
-
-
-def split_heldout(tokens: np.ndarray, doc_offsets: np.ndarray) -> HeldOut | None:
-    """Hold out T = min(8192, 10% of the corpus) tokens, or nothing when T < 1024.
-
-    Whole documents, in the order of a hash of their tokens (stable whatever the file order), each
-    taken only if it keeps the slice under 2T, until the slice reaches T. Where whole documents
-    cannot give T/2 (one document, or a few large ones), the last T tokens of the longest
-    document instead. The index never sees the slice."""
-    total = int(doc_offsets[-1])
-    budget = min(MAX_HELDOUT_TOKENS, int(HELDOUT_SHARE * total))
-    if budget < MIN_HELDOUT_TOKENS:
-        return None
-    starts, ends = doc_offsets[:-1], doc_offsets[1:]
-    order = sorted(range(len(starts)), key=lambda d: hashlib.sha256(tokens[starts[d] : ends[d]].tobytes()).hexdigest())
-    chosen, size = [], 0
-    for d in order:
-        length = int(ends[d] - starts[d])
-        if size >= budget:
-            break
-        if size + length <= 2 * budget and len(chosen) + 1 < len(starts):
-            chosen.append(d)
-            size += length
-    keep = np.ones(total, dtype=bool)
-    if size >= budget // 2:
-        for d in chosen:
-            keep[starts[d] : ends[d]] = False
-        description = f"{len(chosen)} whole document(s) of {len(starts)}, chosen by a hash of their tokens"
-        held_lengths = [int(ends[d] - starts[d]) for d in sorted(chosen)]
-        held = np.concatenate([tokens[starts[d] : ends[d]] for d in sorted(chosen)])
-    else:
-        longest = int(np.argmax(ends - starts))
-        keep[ends[longest] - budget : ends[longest]] = False
-        description = f"the last {budget} tokens of the longest document (of {len(starts)})"
-        held_lengths = [budget]
-        held = tokens[ends[longest] - budget : ends[longest]]
-    kept_lengths = np.array([int(keep[s:e].sum()) for s, e in zip(starts, ends)], dtype=np.int64)
-    kept = np.flatnonzero(kept_lengths > 0)
-    return HeldOut(tokens[keep], _offsets(kept_lengths[kept].tolist()), kept, held, _offsets(held_lengths), description)
-
-
-def _offsets(lengths: list[int]) -> np.ndarray:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return offsets
 
 
 # ------------------------------------------------------------------ the fit a datastore stores

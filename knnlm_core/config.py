@@ -139,8 +139,8 @@ class KnnConfig(_Strict):
     )
     compiled_graphs: bool | None = Field(
         None,
-        description="reach shard actors through Ray Compiled Graphs: Ray's transport 0.22-0.28 / 0.80-1.26 ms at batch "
-        "1 / 32 (k 1024) instead of 1.1-1.3 / 2.1-3.1, but every graph's reader polls a core while it exists; "
+        description="reach shard actors through Ray Compiled Graphs (shared-memory channels: a cheaper round trip than "
+        "plain actor calls), but every graph's reader polls a core while it exists; "
         "default: where each of a datastore version's shard actors has a core to itself (on its node, no more "
         "actors than CPUs outside the engine's: its bound cores, or one where it binds none)",
     )

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_core.datastore import Manifest, load_document_starts, load_values
+from knnlm_core.datastore import load_document_starts, load_values
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.files import write_json_atomic
+from knnlm_core.manifest import Manifest
 
 PROVENANCE = "provenance.json"
 

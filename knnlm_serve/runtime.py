@@ -13,9 +13,10 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from knnlm_core.config import AdaptiveLambda, KeyType, KnnConfig
-from knnlm_core.datastore import Calibration, Manifest, check_compatible, read_manifest, served_nprobe
+from knnlm_core.datastore import check_compatible, read_manifest
 from knnlm_core.errors import DatastoreError
 from knnlm_core.keys import no_ffn_input_error, supports_ffn_input
+from knnlm_core.manifest import Calibration, Manifest, served_nprobe
 from knnlm_core.model_dir import architecture_of, hidden_size_of, model_fingerprint
 
 

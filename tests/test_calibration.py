@@ -17,10 +17,12 @@ from conftest import STRICT_KNN, TINY_SERVER, prompt_logprobs
 
 from index_builder.build import build_datastore
 from index_builder.default_datastore import stdlib_documents
-from knnlm_core.calibration import cheapest_k, fit_skip, narrowest_nprobe, perplexity, split_heldout
+from knnlm_core.calibration import cheapest_k, fit_skip, narrowest_nprobe, perplexity
 from knnlm_core.config import BuildConfig
-from knnlm_core.datastore import MANIFEST, read_manifest, write_manifest
+from knnlm_core.datastore import read_manifest, write_manifest
 from knnlm_core.errors import CorpusError
+from knnlm_core.heldout import split_heldout
+from knnlm_core.manifest import MANIFEST
 from knnlm_serve.server.process import RunningServer
 
 TOKEN = "cal-token"

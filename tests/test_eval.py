@@ -13,8 +13,9 @@ from conftest import make_tiny_llama
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig, EvalConfig
-from knnlm_core.datastore import Calibration, read_manifest
+from knnlm_core.datastore import read_manifest
 from knnlm_core.keys import KeyEncoder
+from knnlm_core.manifest import Calibration
 from knnlm_core.search import merge_topk, open_shards
 from knnlm_serve.eval.cli import main as eval_main
 from knnlm_serve.eval.report import write_report

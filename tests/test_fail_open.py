@@ -17,8 +17,9 @@ from conftest import TINY_SERVER, continuations, greedy, stream_while, until
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
-from knnlm_core.datastore import MANIFEST, sealed
+from knnlm_core.datastore import sealed
 from knnlm_core.files import sha256_file
+from knnlm_core.manifest import MANIFEST
 from knnlm_serve.server.process import RunningServer, scrape_metrics
 
 pytestmark = pytest.mark.slow

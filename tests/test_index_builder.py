@@ -149,7 +149,7 @@ def test_one_outlier_key_does_not_collapse_a_fast_scan_stores_distances(tmp_path
     verify` tells a store built the old way (trained on every key) from a sound one."""
     import index_builder.faiss_index
     from index_builder.build import build_from_keys
-    from knnlm_core.datastore import ModelIdentity
+    from knnlm_core.manifest import ModelIdentity
 
     rng = np.random.default_rng(0)
     keys, values = rng.normal(size=(4000, 64)).astype(np.float32), rng.integers(0, 1000, 4000)
@@ -355,7 +355,7 @@ def test_provenance_gives_every_entry_its_document_and_the_documents_back(corpus
 
 
 def test_the_held_out_slice_says_which_documents_the_index_keeps():
-    from knnlm_core.calibration import split_heldout
+    from knnlm_core.heldout import split_heldout
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(200, 2000, 40)

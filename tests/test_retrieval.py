@@ -12,8 +12,9 @@ import pytest
 
 from index_builder.build import build_from_keys
 from knnlm_core.config import BuildConfig, KnnConfig
-from knnlm_core.datastore import ModelIdentity, read_manifest
+from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import KnnlmError
+from knnlm_core.manifest import ModelIdentity
 from knnlm_serve.retrieval import LocalRetriever, RayRetriever, RetrievalError, ShardActor, start_shard_actors
 from knnlm_serve.runtime import DatastoreInfo
 

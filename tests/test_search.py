@@ -11,7 +11,8 @@ import pytest
 
 from index_builder.build import build_from_keys
 from knnlm_core.config import BuildConfig
-from knnlm_core.datastore import ModelIdentity, read_manifest
+from knnlm_core.datastore import read_manifest
+from knnlm_core.manifest import ModelIdentity
 from knnlm_core.search import (
     FlatKeys,
     coarse_by_torch,

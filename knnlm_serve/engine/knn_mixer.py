@@ -68,7 +68,7 @@ class KnnMixer:
         """(log normaliser, top probability) of the LM at `rows`, each [len(rows)]: from one
         log-softmax a row, for the skip rule and the mix together."""
         taken = take_rows(logits, rows)
-        top = torch.log_softmax(taken, dim=-1).amax(dim=-1)  # amax, not max: an argmax took 1.3 ms at 32 rows
+        top = torch.log_softmax(taken, dim=-1).amax(dim=-1)  # amax, not max: the argmax would cost as much as the softmax
         return taken.amax(dim=-1) - top, top.exp()
 
     @staticmethod
@@ -182,7 +182,7 @@ class KnnMixer:
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """`t[rows]`: `t` itself when `rows` are all of its rows, else through index_select (indexing
-    with a list copied [32, 49,152] fp32 in 0.9 ms here, index_select in 0.16)."""
+    with a list is several times slower)."""
     if rows == list(range(len(t))):
         return t
     return t.index_select(0, torch.as_tensor(rows, device=t.device))

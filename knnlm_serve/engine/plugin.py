@@ -60,7 +60,7 @@ def register() -> None:
 class KnnRequestTracker(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        from knnlm_serve.server.app_state import published_registry
+        from knnlm_serve.app_state import published_registry
 
         registry = published_registry()
         if registry is None:  # offline engines (knnlm-eval): the worker serves bad values LM-only

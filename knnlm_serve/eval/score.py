@@ -15,8 +15,8 @@ import faiss
 import numpy as np
 
 from knnlm_core.config import EvalConfig, KeyType, KnnConfig
-from knnlm_core.datastore import Manifest, served_nprobe
 from knnlm_core.keys import KeyEncoder, encode_windows
+from knnlm_core.manifest import Manifest, served_nprobe
 from knnlm_core.search import open_shards, search_many
 from knnlm_serve.eval.text import EvalError, EvalText
 from knnlm_serve.runtime import DatastoreInfo, Runtime

@@ -12,7 +12,7 @@ they are user routes behind vLLM's API key, not admin routes: server/explain.py.
 Every route needs the `X-Admin-Token` header (the admin token is not the inference API key).
 Names are 1-64 letters, digits, '-' and '_'. Paths are resolved (symlinks too) and must lie inside
 `knn.datastore_root`; responses and errors show them relative to it, never as server paths.
-Domain errors carry their kind; `STATUS` maps it to an HTTP status here, and nowhere else.
+Domain errors carry their kind; `server/http_errors.py` maps it to an HTTP status, and nothing else does.
 
 The plugin's `init_state` also attaches vLLM's workers (collective_rpc, as vLLM's endpoint-plugin
 contract prescribes) and connects the registry to them: from then on admin changes reach every
@@ -32,22 +32,15 @@ from pydantic import BaseModel, ConfigDict
 
 from knnlm_core.config import KeyType, datastore_name_problem
 from knnlm_core.errors import DatastoreError, ErrorKind, KnnlmError
+from knnlm_serve.app_state import published_registry
 from knnlm_serve.engine.vllm_adapter import ATTACH, SET_RUNTIME, WORKER_STATE
 from knnlm_serve.runtime import Runtime
-from knnlm_serve.server.app_state import published_registry
+from knnlm_serve.server.http_errors import STATUS, http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
 logger = logging.getLogger("knnlm_serve")
 
 ADMIN_TOKEN_ENV = "KNNLM_ADMIN_TOKEN"
-STATUS = {
-    ErrorKind.MALFORMED: 400,
-    ErrorKind.INVALID: 422,
-    ErrorKind.NOT_FOUND: 404,
-    ErrorKind.FORBIDDEN: 403,
-    ErrorKind.UNAVAILABLE: 503,
-    ErrorKind.BUSY: 429,
-}
 RPC_TIMEOUT_S = 60.0
 
 
@@ -93,11 +86,6 @@ def resolve_in_root(root: str | None, path: str) -> Path:
 def check_name(name: str) -> None:
     if problem := datastore_name_problem(name):
         raise KnnlmError(f"name: {problem}", ErrorKind.MALFORMED)
-
-
-def http_error(e: KnnlmError, registry: DatastoreRegistry) -> HTTPException:
-    """The error's HTTP status, and its message with no server path in it."""
-    return HTTPException(STATUS[e.kind], registry.public(str(e)))
 
 
 def _admin_call(registry: DatastoreRegistry, fn, *args, **kwargs):

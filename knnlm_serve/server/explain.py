@@ -30,13 +30,14 @@ import numpy as np
 from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from knnlm_core.datastore import MANIFEST, read_manifest
+from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_core.manifest import MANIFEST
 from knnlm_core.provenance import Provenance
 from knnlm_serve.engine.explanations import MAX_REQUESTS
 from knnlm_serve.engine.request_params import MAX_EXPLAIN_TOP, KnnParamError, parse_knn_params
 from knnlm_serve.engine.vllm_adapter import TAKE_EXPLANATION
-from knnlm_serve.server.admin import http_error
+from knnlm_serve.server.http_errors import http_error
 
 logger = logging.getLogger("knnlm_serve")
 

@@ -77,8 +77,8 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
             "Serve it without knn.datastores, or see the README's list of supported architectures"
         )
     from index_builder.default_datastore import prepare_default_datastore
+    from knnlm_serve.app_state import publish_registry
     from knnlm_serve.runtime import ServedModel
-    from knnlm_serve.server.app_state import publish_registry
     from knnlm_serve.server.registry import DatastoreRegistry
 
     ray_address = None

@@ -26,6 +26,7 @@ from knnlm_core.search import open_shards
 from knnlm_serve import metrics
 from knnlm_serve.retrieval import actor_name, start_shard_actors
 from knnlm_serve.runtime import DatastoreInfo, Runtime, ServedModel, check_datastore, mix_defaults
+from knnlm_serve.server.shard_health import ShardPids
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -54,7 +55,7 @@ class DatastoreRegistry:
         self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
         self._retired: dict[tuple[str, int], tuple[DatastoreInfo, float]] = {}
         self._versions: dict[str, int] = {}
-        self._pids: dict[str, int] = {}
+        self._shard_pids = ShardPids()
         self._info_labels: set[tuple[str, ...]] = set()
         self._lock = threading.RLock()
         threading.Thread(target=self._reap_forever, daemon=True, name="knnlm-reaper").start()
@@ -140,7 +141,6 @@ class DatastoreRegistry:
 
     def health(self) -> dict:
         """Ask every serving shard actor who it is; a changed pid means Ray restarted it."""
-        import ray
 
         with self._lock:
             items = [
@@ -149,39 +149,7 @@ class DatastoreRegistry:
                 for shard, replicas in zip(info.shards, self._actors.get(info.key, []))
                 for replica, actor in enumerate(replicas)
             ]
-        refs = [actor.describe.remote() for *_, actor in items]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.runtime.knn.shard_timeout_s) if refs else ([], [])
-        shards = []
-        for (info, shard, replica, actor), ref in zip(items, refs):
-            entry = {
-                "datastore": info.name,
-                "version": info.version,
-                "shard": shard,
-                "replica": replica,
-                "actor": actor_name(info, shard, replica),
-            }
-            try:
-                described = ray.get(ref) if ref in ready else None
-            except ray.exceptions.RayError as e:
-                described, entry["error"] = None, type(e).__name__
-            if described is None:
-                entry["status"] = "unavailable"
-            else:
-                entry.update(
-                    status="ok",
-                    pid=described["pid"],
-                    node=described["node"],
-                    cpus=described["cpus"],
-                    nice=described["nice"],
-                    entries=described["entries"],
-                    on_gpu=described["on_gpu"],
-                )
-                previous = self._pids.setdefault(entry["actor"], described["pid"])
-                if previous != described["pid"]:
-                    metrics.SHARD_RESTARTS.labels(info.name, shard, str(replica)).inc()
-                    self._pids[entry["actor"]] = described["pid"]
-                    self._keep_off_model([[actor]])  # a restarted actor starts on every CPU again
-            shards.append(entry)
+        shards = self._shard_pids.check(items, self.runtime.knn.shard_timeout_s, lambda actor: self._keep_off_model([[actor]]))
         with self._lock:
             datastores = [self._health(info) for info in self.runtime.datastores.values()]
         healthy = all(s["status"] == "ok" for s in shards) and all(d["healthy"] for d in datastores)
@@ -234,7 +202,7 @@ class DatastoreRegistry:
                 answers = ray.get([a.search.remote(query, 1, None) for a in actors], timeout=timeout)
                 ok = all(a[1].shape == (1, 1) for a in answers)
                 for name, described in zip(names, ray.get([a.describe.remote() for a in actors], timeout=timeout)):
-                    self._pids[name] = described["pid"]  # to notice restarts
+                    self._shard_pids.remember(name, described["pid"])  # to notice restarts
             else:
                 ok = all(s.search(query, 1)[1].shape == (1, 1) for s in open_shards(Path(info.path), read_manifest(info.path)))
         except Exception as e:  # noqa: BLE001 - any failure of the probe rejects the load

@@ -1,0 +1,174 @@
+"""The datastore manifest's records: what `manifest.json` holds (datastore.py reads and writes it).
+
+Values are never NaN or infinite: JSON's NaN and Infinity are refused wherever they appear.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from knnlm_core.config import AdaptiveLambda, KeyType
+
+FORMAT = "knnlm-datastore"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # JSON's NaN and Infinity are never a setting
+
+
+class FileEntry(_Record):
+    path: str  # relative to the datastore directory
+    bytes: int
+    sha256: str
+
+
+class ShardEntry(_Record):
+    name: str
+    entries: int
+    index: FileEntry
+    values: FileEntry
+    keys: FileEntry | None = None
+
+
+class ModelIdentity(_Record):
+    name: str
+    fingerprint: str
+    hidden_size: int
+    vocab_size: int
+    dtype: str
+
+
+class IndexSpec(_Record):
+    factory: str  # the FAISS index_factory string, e.g. "IVF1024,PQ64"
+    metric: Literal["l2"] = "l2"
+    nprobe: int | None = None  # default search breadth for IVF indexes
+    train_size: int = 0  # keys the quantizers were trained on (0: no training needed)
+
+
+class CorpusStats(_Record):
+    sources: list[str]
+    documents: int
+    tokens: int
+    skipped_files: list[str] = []
+
+
+class BuildStats(_Record):
+    context_length: int
+    stride: int
+    seconds: float
+    encode_tokens_per_s: float
+    calibration_seconds: float = 0.0
+    created: str
+    tool_version: str
+
+
+class SkipRule(_Record):
+    """Adaptive retrieval: rows where the LM's top probability exceeds `threshold` skip the search
+    and are served p_LM. Fitted to cost at most `tolerance` of perplexity on the fitting half."""
+
+    threshold: float = Field(ge=0, le=1)  # 1: never skip
+    skipped: float  # share of the judged half's tokens skipped,
+    ppl: float  # its perplexity with the skips,
+    full_ppl: float  # and with every row searched
+    tolerance: float
+
+
+class KPoint(_Record):
+    k: int
+    tune_ppl: float  # best over (τ, λ) at this k on the fitting half,
+    report_ppl: float  # and that setting on the judged half
+
+
+class KCurve(_Record):
+    """Perplexity against k: the served k is the smallest within `tolerance` of the best on the
+    fitting half (a smaller k is a cheaper search, answer, merge and mix)."""
+
+    tolerance: float
+    ks: list[KPoint]
+
+
+class NprobePoint(_Record):
+    nprobe: int
+    tune_ppl: float  # best over (k, τ, λ) searching this many IVF lists, on the fitting half,
+    report_ppl: float  # and that setting on the judged half
+
+
+class NprobeCurve(_Record):
+    """Perplexity against IVF lists probed: the served nprobe is the smallest within `tolerance` of
+    the build's nprobe on the fitting half (fewer lists, fewer codes scanned a query)."""
+
+    tolerance: float
+    nprobes: list[NprobePoint]
+
+
+class PointerRule(_Record):
+    """Pointer following: a decode step follows the last step's neighbours when at least
+    `min_pointers` successors survive (0: off). Fitted, after the skip rule, to cost at most
+    `tolerance` of perplexity on the fitting half."""
+
+    min_pointers: int = Field(ge=0)
+    saved: float  # share of the judged half's tokens that followed pointers instead of searching,
+    ppl: float  # its perplexity,
+    full_ppl: float  # and with every non-skipped token searched
+    tolerance: float
+
+
+class Calibration(_Record):
+    """The mixing settings that fit this datastore best on held-out text (served by default)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    lambda_: float = Field(alias="lambda", ge=0, le=1)
+    temperature: float = Field(gt=0)
+    k: int = Field(gt=0)
+    adaptive_lambda: AdaptiveLambda
+    mode: Literal["fixed", "adaptive"]  # which λ a request that sets none gets
+    tokens: int  # held-out tokens fitted on (first half) and judged on (second half)
+    base_ppl: float  # on the judged half: the LM alone,
+    knn_ppl: float  # kNN-LM at the fitted fixed λ,
+    adaptive_ppl: float  # and with the adaptive curve
+    k_curve: KCurve | None = None  # None: calibrated before k was chosen for cost (the best k was served)
+    skip: SkipRule | None = None  # None: calibrated before adaptive retrieval existed (never skips)
+    pointers: PointerRule | None = None  # None: no document boundaries, or calibrated before pointers existed
+    heldout: str  # what the held-out text was
+    nprobe: int | None = Field(gt=0)  # IVF lists the fit searched, served by default (see served_nprobe)
+    nprobe_curve: NprobeCurve | None = None  # None: not IVF, or calibrated before nprobe was chosen (the build's was served)
+    created: str
+
+
+class Manifest(_Record):
+    format: Literal["knnlm-datastore"] = FORMAT
+    format_version: int = FORMAT_VERSION
+    model: ModelIdentity
+    key_type: KeyType
+    dim: int
+    key_dtype: Literal["float16"] = "float16"
+    index: IndexSpec
+    entries: int
+    shards: list[ShardEntry]
+    corpus: CorpusStats
+    build: BuildStats
+    calibration: Calibration | None = None
+    calibration_note: str | None = None  # why there is no calibration
+    calibration_history: list[Calibration] = []  # earlier calibrations, oldest first
+    documents: FileEntry | None = None  # documents.npy; None: no document boundaries (no pointer following)
+    provenance: FileEntry | None = None  # provenance.json; None: cannot explain its neighbours
+    checksum: str | None = None  # sha256 of this manifest without this field (None: written before it existed)
+
+    def files(self) -> list[FileEntry]:
+        """Every data file the manifest lists, with its size and checksum."""
+        return [f for s in self.shards for f in shard_files(s)] + [f for f in (self.documents, self.provenance) if f is not None]
+
+
+def served_nprobe(manifest: Manifest) -> int | None:
+    """IVF lists a search probes by default: the calibration's choice, else the build's."""
+    calibration = manifest.calibration
+    return calibration.nprobe if calibration is not None and calibration.nprobe else manifest.index.nprobe
+
+
+def shard_files(shard: ShardEntry) -> list[FileEntry]:
+    return [f for f in (shard.index, shard.values, shard.keys) if f is not None]

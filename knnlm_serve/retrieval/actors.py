@@ -1,0 +1,159 @@
+"""The Ray actor that holds one FAISS shard, and starting a datastore version's actors.
+
+A version's actors are named (`actor_name`), so every engine process on the cluster reaches the
+same ones, and Ray restarts a dead one under the same name. They run with their own process
+environment (`SHARD_ACTOR_ENV`, a Ray runtime_env, so it holds on any cluster).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from knnlm_core.config import KnnConfig
+from knnlm_core.datastore import read_manifest
+from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_core.search import ShardSearcher, gpu_available, shard_first_ids
+from knnlm_serve.retrieval.types import timed
+from knnlm_serve.runtime import DatastoreInfo
+
+logger = logging.getLogger("knnlm_serve")
+
+# The shard actors' process environment:
+# - OpenMP (FAISS, torch) threads spin after each parallel region before they sleep; libgomp's
+#   default spin held the cores after every search while the caller waiting for the answer and
+#   the actor's own thread sending it needed one.
+# - Answers up to 4 MiB (batch 256 at k 1024) return inline with the call's reply, not through the
+#   object store (Ray's default limit is 100 KB; batch 32 at k 1024 is 512 KB).
+# - Niceness 0, not the 15 Ray starts worker processes at: a search is on every step's critical
+#   path, and at 15 it yields its core to anything else there (the API server, the engine core).
+SHARD_ACTOR_ENV = {"GOMP_SPINCOUNT": "1000", "RAY_max_direct_call_object_size": str(4 * 2**20), "RAY_worker_niceness": "0"}
+
+
+class ShardActor:
+    """A Ray actor holding one FAISS shard (GPU FAISS when the actor has a GPU)."""
+
+    def __init__(self, root: str, shard_name: str, use_gpu: bool | None, threads: int | None, mmap: bool):
+        # Ray sets OMP_NUM_THREADS=1 in actors that reserve no CPU; the search should use the node's cores.
+        self.threads = threads
+        self._allowed = sorted(os.sched_getaffinity(0))
+        self._search_threads = threads or len(self._allowed)
+        self._threads_set: set[int] = set()  # the threads that search with _search_threads
+        self._use_search_threads()
+        manifest = read_manifest(root)
+        ((shard, first),) = [(s, f) for s, f in zip(manifest.shards, shard_first_ids(manifest)) if s.name == shard_name]
+        self.searcher = ShardSearcher(Path(root), shard, first, use_gpu, mmap)
+
+    def describe(self) -> dict:
+        import ray
+
+        s = self.searcher
+        node = ray.get_runtime_context().get_node_id()
+        return {
+            "name": s.name,
+            "entries": s.ntotal,
+            "dim": s.dim,
+            "on_gpu": s.on_gpu,
+            "pid": os.getpid(),
+            "node": node,
+            "cpus": sorted(os.sched_getaffinity(0)),
+            "nice": os.nice(0),
+        }
+
+    def search(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None = None):
+        self._use_search_threads()
+        return timed(self.searcher.find, queries, k, nprobe, pointers)
+
+    def search_step(self, step: tuple):
+        """`search(*step)` for a compiled graph: one input channel for the step, not one per argument."""
+        return self.search(*step)
+
+    def _use_search_threads(self) -> None:
+        """Give the calling thread `_search_threads` OpenMP threads (FAISS, and torch for flat shards).
+
+        OpenMP's thread count is per calling thread, and a thread that never set it starts at Ray's
+        OMP_NUM_THREADS=1: a compiled graph calls `search` from its own thread, where FAISS would
+        run on one core."""
+        thread = threading.get_ident()
+        if thread not in self._threads_set:
+            import faiss
+            import torch
+
+            faiss.omp_set_num_threads(self._search_threads)
+            torch.set_num_threads(self._search_threads)  # exact (flat) shards search with torch
+            self._threads_set.add(thread)
+
+    def keep_off(self, model_cpus: dict[str, list[int]]) -> None:
+        """Run on this host's CPUs that no vLLM worker is bound to (`model_cpus`: host -> CPUs).
+
+        vLLM's CPU worker binds its OpenMP threads to cores and leaves the rest to the other
+        processes; a search thread on a model core takes that core from the model and waits at its
+        own thread barrier for it. Where every CPU is the model's (or none is bound, as on GPU
+        hosts) nothing changes; `describe` shows where it runs."""
+        cpus = sorted(set(self._allowed) - set(model_cpus.get(socket.gethostname(), [])))
+        if not cpus or cpus == sorted(os.sched_getaffinity(0)):
+            return
+        for thread in os.listdir("/proc/self/task"):  # every thread: the OpenMP pool exists already
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(thread), cpus)
+        self._search_threads, self._threads_set = self.threads or len(cpus), set()
+        self._use_search_threads()
+        logger.info("shard %s: searching on CPUs %s, off the model's", self.searcher.name, cpus)
+
+
+def actor_name(info: DatastoreInfo, shard: str, replica: int = 0) -> str:
+    return f"{info.name}@{info.version}/{shard}" + (f"#{replica}" if replica else "")
+
+
+def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
+    """`knn.replicas` named actors per shard of this datastore version (per shard, a list of
+    replicas), loaded before this returns. Replicas of a shard are spread over the nodes that offer
+    `knn.shard_resources`, as far as Ray can.
+
+    Ray restarts a dead actor (reloading its shard) under the same name and handle, on any node
+    with the actor's resources, when one is or becomes available."""
+    import ray
+
+    resources = ray.cluster_resources()
+    has_gpu = resources.get("GPU", 0) >= knn.gpu_fraction
+    use_gpu = knn.gpu if knn.gpu is not None else gpu_available() and has_gpu  # auto: only where actors can get one
+    missing = sorted(set(knn.shard_resources) - set(resources))
+    if missing:
+        raise KnnlmError(
+            f"knn.shard_resources names {missing}, which no node of the Ray cluster offers: start a node with "
+            f"`ray start --address <head> --resources '{{\"{missing[0]}\": 1}}'`, or change knn.shard_resources",
+            ErrorKind.UNAVAILABLE,
+        )
+    if use_gpu and not has_gpu:
+        raise KnnlmError(
+            "knn.gpu is true but no node of the Ray cluster offers a GPU, so the shard actors could never be placed: "
+            "set knn.gpu to null (automatic) or false, or join a node with a GPU (`ray start --address <head> --num-gpus 1`)",
+            ErrorKind.UNAVAILABLE,
+        )
+    actors = [
+        [
+            ray.remote(ShardActor)
+            .options(
+                name=actor_name(info, shard, replica),
+                namespace=knn.ray_namespace,
+                get_if_exists=True,
+                max_restarts=-1,
+                num_cpus=0,
+                num_gpus=knn.gpu_fraction if use_gpu else 0,
+                resources=dict(knn.shard_resources) or None,
+                scheduling_strategy="SPREAD" if knn.replicas > 1 else "DEFAULT",
+                runtime_env={"env_vars": SHARD_ACTOR_ENV},
+            )
+            .remote(info.path, shard, use_gpu, knn.shard_threads, knn.mmap)
+            for replica in range(knn.replicas)
+        ]
+        for shard in info.shards
+    ]
+    ray.get([a.describe.remote() for replicas in actors for a in replicas])
+    return actors
