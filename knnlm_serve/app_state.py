@@ -1,0 +1,22 @@
+"""The API-server process's one datastore registry, published once by the launcher.
+
+vLLM builds the HTTP app and calls our endpoint plugin and request validator itself, so neither can
+be handed the registry as an argument. The launcher publishes it here once, before vLLM starts;
+the admin plugin moves it onto the app's state for its routes, and the validator (which vLLM
+calls with the sampling parameters alone) reads it here.
+"""
+
+from __future__ import annotations
+
+_registry = None
+
+
+def publish_registry(registry) -> None:
+    global _registry
+    if _registry is not None and registry is not None and _registry is not registry:
+        raise RuntimeError("a datastore registry is already published in this process")
+    _registry = registry
+
+
+def published_registry():
+    return _registry
