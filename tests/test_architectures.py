@@ -3,11 +3,15 @@
 Per architecture (README's list = this matrix): `knnlm-index build` then `knnlm-serve` reproduces a
 memorised continuation at λ = 1; the builder's keys are the served keys (the served p_kNN equals a
 NumPy recomputation from the builder's encoder and the same index, for both key types); and
-`knn: false` is plain vLLM, token for token and logprob for logprob.
+`knn: false` is plain vLLM (without our plugin: tests/plain_vllm.py, every architecture in one
+process), token for token and logprob for logprob.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,32 +55,77 @@ class Served:
     plain: dict
 
 
+@dataclass
+class Built:
+    model: Path
+    ids: list[int]
+    datastores: dict[str, Path]
+    work: Path
+
+
 def complete(server, prompt, **xargs):
     choice = greedy(server, prompt, CONTINUATION, **xargs)
     return {"tokens": choice.token_ids, "logprobs": np.array(choice.logprobs.token_logprobs)}
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
-def served(request, smollm2_dir, tmp_path_factory):
-    architecture = request.param
-    work = tmp_path_factory.mktemp(architecture)
-    model = make_tiny_model(architecture, work / "model", smollm2_dir)
+@pytest.fixture(scope="module")
+def built(smollm2_dir, tmp_path_factory) -> dict[str, Built]:
+    """Each architecture's tiny model and its datastore of TEXT, one per key type."""
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(model)(TEXT).input_ids
-    (work / "text.txt").write_text(TEXT)
-    datastores = {}
-    for key_type in KEY_TYPES:
-        config = BuildConfig(index="flat", key_type=key_type, context_length=128, stride=64)
-        build_datastore([work / "text.txt"], work / key_type, model, config, progress=False)
-        datastores[key_type] = work / key_type
-    prompt = ids[: len(ids) - CONTINUATION]
-    (work / "plain").mkdir()
-    with RunningServer({**SERVER, "model": str(model)}, work / "plain") as plain:
-        reference = {"completion": complete(plain, prompt), "prompt_logprobs": prompt_logprobs(plain, ids)}
-    knn = {"datastores": {k: str(v) for k, v in datastores.items()}, "backend": "local", "k": K, "max_k": K, **STRICT_KNN}
-    with RunningServer({**SERVER, "model": str(model), "knn": knn}, work) as server:
-        yield Served(architecture, model, ids, datastores, server, reference)
+    out = {}
+    for architecture in ARCHITECTURES:
+        work = tmp_path_factory.mktemp(architecture)
+        model = make_tiny_model(architecture, work / "model", smollm2_dir)
+        (work / "text.txt").write_text(TEXT)
+        datastores = {}
+        for key_type in KEY_TYPES:
+            config = BuildConfig(index="flat", key_type=key_type, context_length=128, stride=64)
+            build_datastore([work / "text.txt"], work / key_type, model, config, progress=False)
+            datastores[key_type] = work / key_type
+        out[architecture] = Built(model, AutoTokenizer.from_pretrained(model)(TEXT).input_ids, datastores, work)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(built, tmp_path_factory) -> dict[str, dict]:
+    """What plain vLLM (no plugin) answers for each architecture, all in one process (tests/plain_vllm.py)."""
+    work = tmp_path_factory.mktemp("plain")
+    spec = [
+        {
+            "model": str(b.model),
+            "prompt": b.ids[: len(b.ids) - CONTINUATION],
+            "ids": b.ids,
+            "max_tokens": CONTINUATION,
+            "max_model_len": SERVER["max_model_len"],
+            "kv_cache_gib": SERVER["kv_cache_gib"],
+        }
+        for b in built.values()
+    ]
+    (work / "spec.json").write_text(json.dumps(spec))
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("plain_vllm.py")), str(work / "spec.json"), str(work / "out.json")],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    answers = json.loads((work / "out.json").read_text())
+    return {
+        architecture: {
+            "completion": {"tokens": a["tokens"], "logprobs": np.array(a["logprobs"])},
+            "prompt_logprobs": np.array(a["prompt_logprobs"]),
+        }
+        for architecture, a in zip(built, answers)
+    }
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def served(request, built, plain):
+    architecture = request.param
+    b = built[architecture]
+    knn = {"datastores": {k: str(v) for k, v in b.datastores.items()}, "backend": "local", "k": K, "max_k": K, **STRICT_KNN}
+    with RunningServer({**SERVER, "model": str(b.model), "knn": knn}, b.work) as server:
+        yield Served(architecture, b.model, b.ids, b.datastores, server, plain[architecture])
 
 
 @pytest.mark.parametrize("key_type", KEY_TYPES)

@@ -271,7 +271,19 @@ def test_invalid_xargs_are_a_400_naming_the_field(knn_server, xargs, field):
     assert complete(knn_server, PREFIX, max_tokens=2).token_ids  # and the server keeps serving
 
 
-def test_overlap_serves_what_is_served_without_it(knn_server, token_ids, tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module")
+def fast_server(knn_server, tiny_model_dir, tmp_path_factory):
+    """The reference server's datastores and settings with both of its references turned on:
+    searches started mid-forward (knn.overlap, under vLLM's compiled graph) and shards reached
+    through Ray Compiled Graphs. One server for both comparisons: an engine start is the
+    suite's largest cost."""
+    knn = {**knn_server.config["knn"], "overlap": True, "compiled_graphs": True}
+    config = {**TINY_SERVER, "enforce_eager": False, "model": str(tiny_model_dir), "knn": knn}
+    with RunningServer(config, tmp_path_factory.mktemp("fast")) as server:
+        yield server
+
+
+def test_overlap_serves_what_is_served_without_it(knn_server, fast_server, token_ids):
     """knn.overlap (the default) starts each step's searches mid-forward, from the op in vLLM's
     compiled graph, and applies the skip rule to their answers: the same tokens and logprobs as
     searching after the logits, alone and batched, and for prompt logprobs (searched after the
@@ -280,17 +292,15 @@ def test_overlap_serves_what_is_served_without_it(knn_server, token_ids, tiny_mo
     requests = [*MIXED_REQUESTS, {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.0}]  # + every row skipped
     expected = [complete(knn_server, prompt, **x) for x in requests]
     expected_echo = prompt_logprobs(knn_server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)
-    work = tmp_path_factory.mktemp("overlap")
-    config = {**TINY_SERVER, "enforce_eager": False, "model": str(tiny_model_dir), "knn": {**knn_server.config["knn"], "overlap": True}}
-    with RunningServer(config, work) as server:
-        alone = [complete(server, prompt, **x) for x in requests]
-        with ThreadPoolExecutor(len(requests)) as pool:
-            together = list(pool.map(lambda x: complete(server, prompt, **x), requests))
-        echo = prompt_logprobs(server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)
-        # A request whose every row is skipped: its searches ran all the same, begun before the
-        # logits existed, where the server without overlap searches none of its rows.
-        all_skipped = {"knn_datastore": "a", "knn_skip_threshold": 0.0}
-        counted = [rows_counted(s, lambda s=s: complete(s, prompt, max_tokens=6, **all_skipped)) for s in (server, knn_server)]
+    server = fast_server
+    alone = [complete(server, prompt, **x) for x in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda x: complete(server, prompt, **x), requests))
+    echo = prompt_logprobs(server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)
+    # A request whose every row is skipped: its searches ran all the same, begun before the
+    # logits existed, where the server without overlap searches none of its rows.
+    all_skipped = {"knn_datastore": "a", "knn_skip_threshold": 0.0}
+    counted = [rows_counted(s, lambda s=s: complete(s, prompt, max_tokens=6, **all_skipped)) for s in (server, knn_server)]
     for want, *got in zip(expected, alone, together):
         for choice in got:
             assert choice.token_ids == want.token_ids
@@ -300,33 +310,31 @@ def test_overlap_serves_what_is_served_without_it(knn_server, token_ids, tiny_mo
     assert overlap_skipped == skipped == 6 and searched == 0 and overlap_searched == 6
 
 
-def test_compiled_graphs_serve_what_plain_calls_serve(knn_server, token_ids, tiny_model_dir, tmp_path_factory):
+def test_compiled_graphs_serve_what_plain_calls_serve(knn_server, fast_server, token_ids):
     """knn.compiled_graphs: once each datastore's shards answer through their Ray Compiled Graphs
     (built in the background from a version's first search, plain calls serving meanwhile), the
     same tokens and logprobs as plain actor calls, alone and batched; knnlm_shard_answers says
     which transport answered."""
     prompt = token_ids["a"][: len(PREFIX.split()) + 2]
     expected = [complete(knn_server, prompt, **x) for x in MIXED_REQUESTS]
-    work = tmp_path_factory.mktemp("graphs")
-    config = {**TINY_SERVER, "model": str(tiny_model_dir), "knn": {**knn_server.config["knn"], "compiled_graphs": True}}
-    with RunningServer(config, work) as server:
+    server = fast_server
 
-        def answers(transport: str) -> dict[str, float]:
-            values = scrape_metrics(server.base_url)
-            return {
-                n: metric_total(values, rf'knnlm_shard_answers_total\{{datastore="{n}",.*transport="{transport}"') for n in ("a", "a3", "b")
-            }
+    def answers(transport: str) -> dict[str, float]:
+        values = scrape_metrics(server.base_url)
+        return {
+            n: metric_total(values, rf'knnlm_shard_answers_total\{{datastore="{n}",.*transport="{transport}"') for n in ("a", "a3", "b")
+        }
 
-        deadline = time.monotonic() + 120
-        while not all(answers("graph").values()):  # every datastore's graphs built and answering
-            assert time.monotonic() < deadline, f"no compiled-graph answers after 120 s: {answers('graph')}"
-            for name in ("a", "a3", "b"):
-                complete(server, prompt, max_tokens=2, knn_datastore=name)
-        graph_before, call_before = answers("graph"), answers("call")
-        alone = [complete(server, prompt, **x) for x in MIXED_REQUESTS]
-        with ThreadPoolExecutor(len(MIXED_REQUESTS)) as pool:
-            together = list(pool.map(lambda x: complete(server, prompt, **x), MIXED_REQUESTS))
-        graph_after, call_after = answers("graph"), answers("call")
+    deadline = time.monotonic() + 120
+    while not all(answers("graph").values()):  # every datastore's graphs built and answering
+        assert time.monotonic() < deadline, f"no compiled-graph answers after 120 s: {answers('graph')}"
+        for name in ("a", "a3", "b"):
+            complete(server, prompt, max_tokens=2, knn_datastore=name)
+    graph_before, call_before = answers("graph"), answers("call")
+    alone = [complete(server, prompt, **x) for x in MIXED_REQUESTS]
+    with ThreadPoolExecutor(len(MIXED_REQUESTS)) as pool:
+        together = list(pool.map(lambda x: complete(server, prompt, **x), MIXED_REQUESTS))
+    graph_after, call_after = answers("graph"), answers("call")
     for want, *got in zip(expected, alone, together):
         for choice in got:
             assert choice.token_ids == want.token_ids
