@@ -32,6 +32,21 @@ TINY_SERVER = {"served_model_name": "tiny", "enforce_eager": True, "kv_cache_gib
 STRICT_KNN = {"fail_open": False}
 
 
+def admin_knn(root: Path, token: str, **settings) -> dict:
+    """kNN settings of a test server that serves `root/a` as `main` at λ 1, with the admin API on
+    (loads from below `root`) and a short shard timeout."""
+    return {
+        "datastores": {"main": str(root / "a")},
+        "k": 8,
+        "lambda": 1.0,
+        "admin_token": token,
+        "datastore_root": str(root),
+        "shard_timeout_s": 3.0,
+        **STRICT_KNN,
+        **settings,
+    }
+
+
 @pytest.fixture(scope="session")
 def plain_tiny_server(tiny_model_dir, tmp_path_factory):
     """Stock vLLM behaviour: the tiny model served with no datastore."""

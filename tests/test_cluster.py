@@ -9,7 +9,7 @@ import time
 
 import pytest
 import requests
-from conftest import STRICT_KNN, TINY_SERVER, greedy, stream_while, until
+from conftest import TINY_SERVER, admin_knn, greedy, stream_while, until
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -62,20 +62,9 @@ def root(tiny_model_dir, tmp_path_factory):
 
 
 def serve(tiny_model_dir, cluster, root, **knn_settings):
-    knn = {
-        "datastores": {"main": str(root / "a")},
-        "k": 8,
-        "lambda": 1.0,
-        "admin_token": TOKEN,
-        "datastore_root": str(root),
-        "ray_address": cluster["cluster"].address,
-        "shard_resources": {SHARD_RESOURCE: 0.01},
-        # Room for a loaded machine: a new version's actors on the one-CPU node answered their first
-        # steps after a swap in over 1 s on CI (every row LM-only for those steps).
-        "shard_timeout_s": 3.0,
-        **STRICT_KNN,
-        **knn_settings,
-    }
+    # Room for a loaded machine in the shard timeout: a new version's actors on the one-CPU node
+    # answered their first steps after a swap in over 1 s on CI (every row LM-only for those steps).
+    knn = admin_knn(root, TOKEN, ray_address=cluster["cluster"].address, shard_resources={SHARD_RESOURCE: 0.01}, **knn_settings)
     workdir = root / knn["ray_namespace"]  # the server's log and config
     workdir.mkdir(exist_ok=True)
     return RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, workdir)

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 import requests
-from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy, make_tiny_llama, prompt_logprobs, stream_while
+from conftest import TINY_SERVER, admin_knn, continuations, greedy, make_tiny_llama, prompt_logprobs, stream_while
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -46,16 +46,7 @@ def root(tiny_model_dir, tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, root):
-    knn = {
-        "datastores": {"main": str(root / "a")},
-        "k": 8,
-        "lambda": 1.0,
-        "admin_token": TOKEN,
-        "datastore_root": str(root),
-        "shard_timeout_s": 3.0,
-        **STRICT_KNN,
-    }
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": admin_knn(root, TOKEN)}, root) as server:
         yield server
 
 
