@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,58 +38,50 @@ class EvalRun:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+class Stopwatch:
+    """Seconds per phase of a run, reported as `timings_s`."""
+
+    def __init__(self) -> None:
+        self.started, self.seconds = time.monotonic(), {}
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = time.monotonic()
+        yield
+        self.seconds[name] = time.monotonic() - t0
+
+    def report(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in {**self.seconds, "total_s": time.monotonic() - self.started}.items()}
+
+
+@dataclass
+class Swept:
+    """Every variant's sweep over the text, with what the later phases reuse."""
+
+    results: list[dict]
+    neighbours: dict[Variant, tuple[np.ndarray, np.ndarray]]  # per variant: distances, whether each neighbour is the target
+    keys: dict[str, np.ndarray]  # per key type: the text's query keys
+    served_ids: np.ndarray  # the served variant's neighbour ids (pointer following replays from its own searches)
+
+
 def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_dir: Path, config: EvalConfig = EvalConfig()) -> EvalRun:
     """Base LM vs kNN-LM perplexity with sweeps; the first datastore is the one served through vLLM."""
     if not datastores:
         raise EvalError("no datastore given; pass --datastore NAME=PATH (one or more)")
-    started = time.monotonic()
-    timings: dict[str, float] = {}
+    clock = Stopwatch()
     model = ServedModel.inspect(model_dir)
     checked = {name: check_datastore(name, path, model) for name, path in datastores.items()}
     manifests = {name: m for name, (_, m) in checked.items()}
     variants = plan_variants(manifests, config)
     text = load_eval_text(inputs, model_dir, config)
-    tune = text.tune
-    main = next(iter(checked))
+    tune, main = text.tune, next(iter(checked))
+    with clock.phase("engine_start_s"):
+        llm = open_engine(model_dir, checked[main][0], config)
+    with clock.phase("base_pass_s"):
+        log_p_lm, top_log_p = score_with_vllm(llm, text, {"knn": False}, config.progress, top=True)
+    swept = _sweep_variants(variants, checked, text, log_p_lm, model_dir, config, clock)
+    results, neighbours = swept.results, swept.neighbours
 
-    t0 = time.monotonic()
-    llm = open_engine(model_dir, checked[main][0], config)
-    timings["engine_start_s"] = time.monotonic() - t0
-    t0 = time.monotonic()
-    log_p_lm, top_log_p = score_with_vllm(llm, text, {"knn": False}, config.progress, top=True)
-    timings["base_pass_s"] = time.monotonic() - t0
-
-    kmax = max(config.ks)
-    keys: dict[str, np.ndarray] = {}
-    neighbours: dict[Variant, tuple[np.ndarray, np.ndarray]] = {}
-    results = []
-    for v in variants:
-        if v.key_type not in keys:
-            t0 = time.monotonic()
-            keys[v.key_type] = encode_keys(model_dir, text, v.key_type, config)
-            timings[f"keys_{v.key_type}_s"] = time.monotonic() - t0
-        t0 = time.monotonic()
-        distances, tokens, ids = find_neighbours(
-            Path(checked[v.datastore][0].path), manifests[v.datastore], v, keys[v.key_type], kmax, config
-        )
-        if v == variants[0]:
-            served_ids = ids  # pointer following replays from the served variant's own searches
-        search_s = time.monotonic() - t0
-        neighbours[v] = distances, tokens == text.targets[:, None]
-        result = sweep(log_p_lm, *neighbours[v], tune, config)
-        results.append(
-            {
-                "label": v.label,
-                "datastore": v.datastore,
-                "key_type": v.key_type,
-                "index": v.index,
-                "nprobe": v.nprobe,
-                "fraction": v.fraction,
-                "entries": manifests[v.datastore].entries,
-                "search_s": round(search_s, 2),
-                **result,
-            }
-        )
     best_i = int(np.argmin([r["best"]["tune_ppl"] for r in results]))
     best_v, best = variants[best_i], results[best_i]["best"]
     distances, match = neighbours[best_v]
@@ -100,30 +93,20 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     served, sb = variants[0], results[0]["best"]
     sd, sm = neighbours[served]
     log_p_full = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
-    t0 = time.monotonic()
-    replayer = PointerReplay.of(Path(checked[main][0].path), manifests[main], text, keys[served.key_type], sd.shape[1])
-    pointers = replayer and _pointer_curve(replayer, sd, served_ids, sb, log_p_lm, log_p_full, tune)
-    timings["pointers_s"] = time.monotonic() - t0
+    with clock.phase("pointers_s"):
+        replayer = PointerReplay.of(Path(checked[main][0].path), manifests[main], text, swept.keys[served.key_type], sd.shape[1])
+        pointers = replayer and _pointer_curve(replayer, sd, swept.served_ids, sb, log_p_lm, log_p_full, tune)
     skip = fit_skip(log_p_lm, log_p_full, top_log_p, tune, config.skip_tolerance)
-    t0 = time.monotonic()
-    xargs = {
-        "knn": True,
-        "knn_datastore": main,
-        "knn_lambda": sb["lambda"],
-        "knn_k": sb["k"],
-        "knn_temperature": sb["temperature"],
-        "knn_skip_threshold": skip["threshold"],
-    }
-    log_p_served = score_with_vllm(llm, text, xargs, config.progress)
-    timings["knn_pass_s"] = time.monotonic() - t0
+    setting = {"knn_lambda": sb["lambda"], "knn_k": sb["k"], "knn_temperature": sb["temperature"], "knn_skip_threshold": skip["threshold"]}
+    with clock.phase("knn_pass_s"):
+        log_p_served = score_with_vllm(llm, text, {"knn": True, "knn_datastore": main, **setting}, config.progress)
     log_p_numpy = served_with_skips(log_p_lm, log_p_full, top_log_p, skip["threshold"])
     del llm
     full = full_retrieval_variant(variants, manifests)
     served_defaults = _served_defaults(
-        checked[main][0], log_p_lm, top_log_p, sd, sm, served_ids, replayer, tune, best, (full, neighbours[full])
+        checked[main][0], log_p_lm, top_log_p, sd, sm, swept.served_ids, replayer, tune, best, (full, neighbours[full])
     )
-    timings["total_s"] = time.monotonic() - started
-
+    mixture = {k: sb[k] for k in ("k", "temperature", "lambda")}
     summary = {
         "model": {"name": model_dir.name, "path": str(model_dir), "fingerprint": model_fingerprint(model_dir)},
         "text": {
@@ -144,7 +127,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
         "served_defaults": served_defaults,
         "served": {
             "variant": served.label,
-            **{k: sb[k] for k in ("k", "temperature", "lambda")},
+            **mixture,
             "skip_threshold": skip["threshold"],
             "skipped_report": float(np.mean(np.exp(top_log_p[~tune]) > skip["threshold"])),
             "vllm_tune_ppl": perplexity(log_p_served[tune]),
@@ -153,11 +136,11 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
             "numpy_report_ppl": perplexity(log_p_numpy[~tune]),
             "max_abs_logprob_diff": float(np.max(np.abs(log_p_served - log_p_numpy))),
         },
-        "adaptive_retrieval": {"variant": served.label, **{k: sb[k] for k in ("k", "temperature", "lambda")}, **skip},
-        "pointers": pointers and {"variant": served.label, **{k: sb[k] for k in ("k", "temperature", "lambda")}, **pointers},
+        "adaptive_retrieval": {"variant": served.label, **mixture, **skip},
+        "pointers": pointers and {"variant": served.label, **mixture, **pointers},
         "variants": results,
         "config": config.model_dump(mode="json"),
-        "timings_s": {k: round(v, 1) for k, v in timings.items()},
+        "timings_s": clock.report(),
     }
     arrays = {
         "target": text.targets,
@@ -169,6 +152,36 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
         "d_nearest": sd[:, 0],
     }
     return EvalRun(_plain(summary), arrays)
+
+
+def _sweep_variants(variants: list[Variant], checked: dict, text, log_p_lm, model_dir: Path, config: EvalConfig, clock: Stopwatch) -> Swept:
+    """Search each variant's neighbours of the text (keys encoded once per key type) and sweep (k, τ, λ) over them."""
+    keys, neighbours, results, served_ids = {}, {}, [], None
+    for v in variants:
+        if v.key_type not in keys:
+            with clock.phase(f"keys_{v.key_type}_s"):
+                keys[v.key_type] = encode_keys(model_dir, text, v.key_type, config)
+        info, manifest = checked[v.datastore]
+        t0 = time.monotonic()
+        distances, tokens, ids = find_neighbours(Path(info.path), manifest, v, keys[v.key_type], max(config.ks), config)
+        search_s = time.monotonic() - t0
+        served_ids = ids if served_ids is None else served_ids
+        neighbours[v] = distances, tokens == text.targets[:, None]
+        result = sweep(log_p_lm, *neighbours[v], text.tune, config)
+        results.append(
+            {
+                "label": v.label,
+                "datastore": v.datastore,
+                "key_type": v.key_type,
+                "index": v.index,
+                "nprobe": v.nprobe,
+                "fraction": v.fraction,
+                "entries": manifest.entries,
+                "search_s": round(search_s, 2),
+                **result,
+            }
+        )
+    return Swept(results, neighbours, keys, served_ids)
 
 
 @dataclass(frozen=True)
