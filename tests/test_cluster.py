@@ -64,7 +64,8 @@ def root(tiny_model_dir, tmp_path_factory):
 def serve(tiny_model_dir, cluster, root, **knn_settings):
     # Room for a loaded machine in the shard timeout: a new version's actors on the one-CPU node
     # answered their first steps after a swap in over 1 s on CI (every row LM-only for those steps).
-    knn = admin_knn(root, TOKEN, ray_address=cluster["cluster"].address, shard_resources={SHARD_RESOURCE: 0.01}, **knn_settings)
+    placement = {"ray_address": cluster["cluster"].address, "shard_resources": {SHARD_RESOURCE: 0.01}}
+    knn = admin_knn(root, TOKEN, **{**placement, **knn_settings})
     workdir = root / knn["ray_namespace"]  # the server's log and config
     workdir.mkdir(exist_ok=True)
     return RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, workdir)
