@@ -14,7 +14,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 from knnlm_core.config import KnnConfig
 from knnlm_core.keys import ffn_module
 from knnlm_serve.engine.batch_requests import BatchRequests
-from knnlm_serve.engine.request_params import KnnParamError, parse_knn_params
+from knnlm_serve.engine.request_params import WIRE_KEY, KnnParamError, parse_knobs, with_defaults
 from knnlm_serve.engine.rows import prompt_rows, sampling_rows
 from knnlm_serve.runtime import DatastoreInfo, Runtime
 
@@ -37,6 +37,11 @@ def info(name: str, version: int) -> DatastoreInfo:
 def runtime(*infos: DatastoreInfo, default: str | None = None) -> Runtime:
     datastores = {i.name: i for i in infos}
     return Runtime(knn=KnnConfig(k=8, max_k=64), datastores=datastores, default=default or next(iter(datastores), None))
+
+
+def parse_knn_params(args: dict | None, rt: Runtime):
+    """What a worker serves a request with: the knobs parsed at admission, defaults from `rt`."""
+    return with_defaults(parse_knobs(args, rt.datastores, rt.knn.max_k), rt)
 
 
 def added(slot: int, **xargs):
@@ -146,6 +151,25 @@ def test_an_unknown_knn_key_is_refused_naming_it_and_the_valid_ones(key):
     with pytest.raises(KnnParamError) as e:
         parse_knn_params({key: 0.9}, runtime(info("a", 1)))
     assert key in str(e.value) and "knn_lambda" in str(e.value)
+
+
+def test_a_client_cannot_send_the_parsed_knobs_key_itself():
+    with pytest.raises(KnnParamError) as e:
+        parse_knn_params({WIRE_KEY: {"k": 10_000}}, runtime(info("a", 1)))
+    assert WIRE_KEY in str(e.value)
+
+
+def test_knobs_parsed_at_admission_take_the_defaults_of_the_version_pinned_later():
+    """The API server parses once; a hot-swap between admission and the first step gives the new
+    version's calibrated defaults, never a mix of the old version's defaults and the new store."""
+    v1 = runtime(info("a", 1)).model_copy(update={"knn": KnnConfig(k=8, max_k=64, overrides={"a": {"k": 4}})})
+    knobs = parse_knobs({"knn_temperature": 2.0}, v1.datastores, v1.knn.max_k)
+    sampling = SamplingParams(extra_args={"other_plugin_knob": 1, WIRE_KEY: knobs.wire()})
+    v2 = runtime(info("a", 2)).model_copy(update={"knn": KnnConfig(k=8, max_k=64, overrides={"a": {"k": 32}})})
+    batch = BatchRequests()
+    batch.apply(update(1, add=[(0, sampling, [1, 2, 3], [])]))
+    request = batch.resolve(0, v2)
+    assert (request.pinned.version, request.params.k, request.params.temperature) == (2, 32, 2.0)
 
 
 def test_other_plugins_keys_pass():

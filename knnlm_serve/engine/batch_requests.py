@@ -2,7 +2,7 @@
 
 vLLM hands every logits processor a `BatchUpdate` before each step (requests added to, removed
 from and moved within the batch, with their `SamplingParams`); slot i is logits row i of the
-step's sampling call. A request's settings are parsed, and its datastore version pinned, the first
+step's sampling call. A request's defaults are filled, and its datastore version pinned, the first
 time it reaches a step: a hot-swap never changes a running request's datastore, and a step never
 mixes versions for one request.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
-from knnlm_serve.engine.request_params import LM_ONLY, KnnParamError, KnnParams, parse_knn_params
+from knnlm_serve.engine.request_params import LM_ONLY, KnnParamError, KnnParams, RequestKnobs, with_defaults
 from knnlm_serve.runtime import DatastoreInfo, Runtime
 
 logger = logging.getLogger("knnlm_serve")
@@ -75,13 +75,14 @@ class BatchRequests:
                     self._slots[b] = request
 
     def resolve(self, slot: int, runtime: Runtime) -> BatchRequest:
-        """The request in `slot`, its settings parsed and its version pinned if this is its first step."""
+        """The request in `slot`, its settings filled in and its version pinned if this is its first step."""
         request = self._slots.get(slot)
         if request is None:  # not announced by a BatchUpdate: serve it as plain vLLM would
             return BatchRequest(None, params=LM_ONLY)
         if request.params is None:
             try:
-                request.params = parse_knn_params(request.extra_args, runtime)
+                knobs = RequestKnobs.from_extra_args(request.extra_args, runtime.datastores, runtime.knn.max_k)
+                request.params = with_defaults(knobs, runtime)
             except KnnParamError as e:  # the API server rejects these; offline callers may not
                 logger.warning("a request in slot %d is served LM-only: %s", slot, e)
                 request.params = LM_ONLY

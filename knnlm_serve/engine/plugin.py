@@ -24,7 +24,7 @@ from knnlm_core.errors import KnnlmError
 from knnlm_serve import metrics
 from knnlm_serve.engine.batch_requests import BatchRequests
 from knnlm_serve.engine.faults import Faults
-from knnlm_serve.engine.request_params import KnnParamError, parse_knn_params
+from knnlm_serve.engine.request_params import WIRE_KEY, KnnParamError, parse_knobs, with_defaults
 from knnlm_serve.logs import log_to_stderr
 
 PLUGIN_NAME = "knnlm"
@@ -65,10 +65,13 @@ class KnnRequestTracker(LogitsProcessor):
         registry = published_registry()
         if registry is None:  # offline engines (knnlm-eval): the worker serves bad values LM-only
             return
+        runtime = registry.runtime
         try:
-            params = parse_knn_params(sampling_params.extra_args, registry.runtime)
+            knobs = parse_knobs(sampling_params.extra_args, runtime.datastores, runtime.knn.max_k)
+            params = with_defaults(knobs, runtime)
         except KnnParamError as e:
             raise VLLMValidationError(str(e), parameter=f"vllm_xargs.{e.field}", value=e.value) from None
+        sampling_params.extra_args = {**(sampling_params.extra_args or {}), WIRE_KEY: knobs.wire()}
         metrics.REQUESTS.labels(params.datastore if params.active else "none").inc()
 
     def __init__(self, vllm_config, device, is_pin_memory):

@@ -15,7 +15,9 @@
 
 A knob the request leaves out takes the datastore's default (runtime.mix_defaults: config
 override, else the datastore's calibration, else the config's default; λ may be adaptive).
-Parsed the same way in the API server (to reject bad values with HTTP 400) and in the worker.
+Parsed once, at admission in the API server (a bad value is an HTTP 400), into `RequestKnobs`,
+which travels to the workers inside `extra_args`; a worker fills the defaults when it pins the
+request's datastore version (`with_defaults`), so a hot-swap in between cannot mix two versions' settings.
 Keys of other plugins pass; a misspelt `knn_*` key is refused rather than silently ignored.
 vLLM coerces `vllm_xargs` values before either sees them (JSON true becomes 1), so the API server
 also checks the types the client sent, in the raw JSON (`raw_type_error`, server/knob_types.py).
@@ -24,12 +26,14 @@ also checks the types the client sent, in the raw JSON (`raw_type_error`, server
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import asdict, dataclass
 
 from knnlm_core.config import AdaptiveLambda
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve.runtime import Runtime, mix_defaults
 
+WIRE_KEY = "knnlm"  # where the API server puts the parsed RequestKnobs; a client sending it is refused as unknown
 KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature", "knn_skip_threshold", "knn_pointers", "knn_explain")
 MAX_EXPLAIN_TOP = 64  # neighbours an explanation shows per token
 
@@ -64,7 +68,36 @@ def raw_type_error(xargs: dict) -> KnnParamError | None:
 
 
 @dataclass(frozen=True)
+class RequestKnobs:
+    """The knobs one request set, checked; a knob it left out is None and takes the default of the
+    version its request is pinned to. The API server parses the client's `vllm_xargs` once, into
+    this, and hands it to the workers inside `extra_args` (`WIRE_KEY`), where defaults are filled."""
+
+    enabled: bool | None = None
+    datastore: str | None = None
+    lambda_: float | None = None
+    k: int | None = None
+    temperature: float | None = None
+    skip_threshold: float | None = None
+    min_pointers: int | None = None
+    explain_id: str | None = None  # record this request's evidence under this id (POST /v1/knn/explain)
+
+    def wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_extra_args(cls, extra_args: dict | None, datastores: Collection[str], max_k: int) -> RequestKnobs:
+        """The parsed knobs the API server wrote, or, for engines without one (knnlm-eval), a parse here."""
+        args = extra_args or {}
+        if isinstance(args.get(WIRE_KEY), dict):
+            return cls(**args[WIRE_KEY])
+        return parse_knobs(args, datastores, max_k)
+
+
+@dataclass(frozen=True)
 class KnnParams:
+    """A request's settings with every default filled, from the version it is pinned to."""
+
     enabled: bool
     datastore: str | None
     lambda_: float | None  # None: adaptive, from the nearest neighbour's distance
@@ -73,7 +106,7 @@ class KnnParams:
     adaptive_lambda: AdaptiveLambda | None = None
     skip_threshold: float = 1.0
     min_pointers: int = 0
-    explain_id: str | None = None  # record this request's evidence under this id (POST /v1/knn/explain)
+    explain_id: str | None = None
 
     @property
     def active(self) -> bool:
@@ -83,35 +116,62 @@ class KnnParams:
 LM_ONLY = KnnParams(False, None, 0.0, 1, 1.0)
 
 
-def parse_knn_params(extra_args: dict | None, runtime: Runtime) -> KnnParams:
+def parse_knobs(extra_args: dict | None, datastores: Collection[str], max_k: int) -> RequestKnobs:
+    """The client's `vllm_xargs`, checked against the served datastores and `knn.max_k`."""
     args = extra_args or {}
     unknown = sorted(k for k in args if k.startswith("knn") and k not in KNOWN_KEYS)
     if unknown:
         raise KnnParamError(unknown[0], args[unknown[0]], f"one of the known keys {list(KNOWN_KEYS)} (unknown key)")
-    config = runtime.knn
-    enabled = _bool(args.get("knn", config.enabled))
-    datastore = args.get("knn_datastore", runtime.default)
-    if "knn_datastore" in args and datastore not in runtime.datastores:
-        raise KnnParamError("knn_datastore", datastore, f"one of {sorted(runtime.datastores)}")
-    info = runtime.datastores.get(datastore)
-    defaults = (info.defaults if info else None) or mix_defaults(config, datastore, info.calibration if info else None)
-    adaptive = None
-    if "knn_lambda" in args or defaults.lambda_ is not None:
-        lambda_ = _number("knn_lambda", args.get("knn_lambda", defaults.lambda_), 0.0, 1.0, "a number in [0, 1]")
-    else:
-        lambda_, adaptive = None, defaults.adaptive_lambda
-    k = args.get("knn_k", defaults.k)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= config.max_k:
-        raise KnnParamError("knn_k", k, f"an integer in [1, {config.max_k}]")
-    temperature = _number("knn_temperature", args.get("knn_temperature", defaults.temperature), 0.0, math.inf, "a number > 0")
+    datastore = args.get("knn_datastore")
+    if "knn_datastore" in args and datastore not in datastores:
+        raise KnnParamError("knn_datastore", datastore, f"one of {sorted(datastores)}")
+    k = args.get("knn_k")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= max_k):
+        raise KnnParamError("knn_k", k, f"an integer in [1, {max_k}]")
+    pointers = args.get("knn_pointers")
+    if pointers is not None and (isinstance(pointers, bool) or not isinstance(pointers, int) or not 0 <= pointers <= max_k):
+        raise KnnParamError("knn_pointers", pointers, f"an integer in [0, {max_k}] (0: always search)")
+    temperature = _number("knn_temperature", args.get("knn_temperature"), 0.0, math.inf, "a number > 0")
     if temperature == 0:
         raise KnnParamError("knn_temperature", temperature, "a number > 0")
-    skip = _number("knn_skip_threshold", args.get("knn_skip_threshold", defaults.skip_threshold), 0.0, 1.0, "a number in [0, 1]")
-    pointers = args.get("knn_pointers", defaults.min_pointers)
-    if isinstance(pointers, bool) or not isinstance(pointers, int) or not 0 <= pointers <= config.max_k:
-        raise KnnParamError("knn_pointers", pointers, f"an integer in [0, {config.max_k}] (0: always search)")
-    explain_id = _explain_id(args.get("knn_explain"))
-    return KnnParams(enabled, datastore if enabled else None, lambda_, k, temperature, adaptive, skip, pointers, explain_id)
+    return RequestKnobs(
+        enabled=None if args.get("knn") is None else _bool(args["knn"]),
+        datastore=datastore,
+        lambda_=_number("knn_lambda", args.get("knn_lambda"), 0.0, 1.0, "a number in [0, 1]"),
+        k=k,
+        temperature=temperature,
+        skip_threshold=_number("knn_skip_threshold", args.get("knn_skip_threshold"), 0.0, 1.0, "a number in [0, 1]"),
+        min_pointers=pointers,
+        explain_id=_explain_id(args.get("knn_explain")),
+    )
+
+
+def with_defaults(knobs: RequestKnobs, runtime: Runtime) -> KnnParams:
+    """Fill what the request left out from the named (or default) datastore's current defaults
+    (runtime.mix_defaults: config override, else calibration, else config default; λ may be adaptive)."""
+    config = runtime.knn
+    enabled = config.enabled if knobs.enabled is None else knobs.enabled
+    datastore = knobs.datastore or runtime.default
+    if knobs.datastore is not None and datastore not in runtime.datastores:
+        raise KnnParamError("knn_datastore", datastore, f"one of {sorted(runtime.datastores)} (it was unloaded)")
+    info = runtime.datastores.get(datastore)
+    defaults = (info.defaults if info else None) or mix_defaults(config, datastore, info.calibration if info else None)
+    lambda_ = knobs.lambda_ if knobs.lambda_ is not None else defaults.lambda_
+    return KnnParams(
+        enabled,
+        datastore if enabled else None,
+        lambda_,
+        _default(knobs.k, defaults.k),
+        _default(knobs.temperature, defaults.temperature),
+        defaults.adaptive_lambda if lambda_ is None else None,
+        _default(knobs.skip_threshold, defaults.skip_threshold),
+        _default(knobs.min_pointers, defaults.min_pointers),
+        knobs.explain_id,
+    )
+
+
+def _default(value, default):
+    return default if value is None else value
 
 
 def _explain_id(value) -> str | None:
@@ -145,7 +205,9 @@ def _bool(value) -> bool:
     raise KnnParamError("knn", value, "true or false")
 
 
-def _number(field: str, value, low: float, high: float, allowed: str) -> float:
+def _number(field: str, value, low: float, high: float, allowed: str) -> float | None:
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
         raise KnnParamError(field, value, allowed)
     return float(value)

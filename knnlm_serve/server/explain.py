@@ -35,7 +35,7 @@ from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.manifest import MANIFEST
 from knnlm_core.provenance import Provenance
 from knnlm_serve.engine.explanations import MAX_REQUESTS
-from knnlm_serve.engine.request_params import MAX_EXPLAIN_TOP, KnnParamError, parse_knn_params
+from knnlm_serve.engine.request_params import MAX_EXPLAIN_TOP, KnnParamError, parse_knobs, with_defaults
 from knnlm_serve.engine.vllm_adapter import TAKE_EXPLANATION
 from knnlm_serve.server.http_errors import http_error
 
@@ -124,7 +124,8 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
         raise KnnParamError("knn_explain", top, f"an integer in [1, {MAX_EXPLAIN_TOP}] (neighbours per token)")
     explain_id = uuid.uuid4().hex
     xargs["knn_explain"] = {"id": explain_id, "top": top}
-    params = parse_knn_params(xargs, registry.runtime)
+    runtime = registry.runtime
+    params = with_defaults(parse_knobs(xargs, runtime.datastores, runtime.knn.max_k), runtime)  # vLLM's admission parses it again
     if not params.active:
         raise KnnlmError(
             "kNN is off for this request (vllm_xargs knn false or knn_lambda 0): there is nothing to explain", ErrorKind.MALFORMED
