@@ -11,7 +11,6 @@ synthetic stores): the same training, sharding and manifest.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,6 +26,7 @@ import knnlm_core
 from index_builder.calibrate import calibrate_on
 from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string
 from index_builder.shards import add_shards, train_once
+from index_builder.versions import prepare_workdir, publish, workdir
 from knnlm_core.config import BuildConfig, KeyType
 from knnlm_core.corpus import doc_offsets, find_files, iter_documents, token_ids
 from knnlm_core.datastore import file_entry, write_manifest
@@ -34,7 +34,7 @@ from knnlm_core.errors import CorpusError, DatastoreError, ModelError
 from knnlm_core.files import write_json_atomic
 from knnlm_core.heldout import MIN_HELDOUT_TOKENS, split_heldout
 from knnlm_core.keys import KeyEncoder, encode_windows
-from knnlm_core.manifest import MANIFEST, BuildStats, CorpusStats, IndexSpec, Manifest, ModelIdentity
+from knnlm_core.manifest import MANIFEST, QUANTIZER, BuildStats, CorpusStats, IndexSpec, Manifest, ModelIdentity
 from knnlm_core.model_dir import check_model_dir, model_fingerprint
 from knnlm_core.provenance import PROVENANCE, DocumentTable
 from knnlm_core.windows import plan_windows, window_values
@@ -56,8 +56,8 @@ def build_datastore(
     model_dir = check_model_dir(model_dir)
     _check_output(output, overwrite)
     files = find_files(inputs)
-    work = output.with_name(f".{output.name}.partial")
-    _prepare_workdir(
+    work = workdir(output)
+    prepare_workdir(
         work,
         {
             "files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
@@ -67,7 +67,7 @@ def build_datastore(
     )
     if not (work / MANIFEST).exists():
         try:  # input errors surface here, before any expensive work: leave nothing behind
-            corpus = _tokenize(work, files, model_dir, config, progress)
+            corpus = tokenize_corpus(work, files, model_dir, config, progress)
             tokens, offsets = np.load(work / "tokens.npy", mmap_mode="r"), np.load(work / "doc_offsets.npy")
             heldout = split_heldout(tokens, offsets) if config.calibrate else None
             table = DocumentTable.read(work / "corpus_documents.json")
@@ -83,7 +83,7 @@ def build_datastore(
         except (CorpusError, ModelError):
             shutil.rmtree(work)
             raise
-        encode_rate = _encode(work, tokens, plan, encoder, config, progress)
+        encode_rate = encode_keys(work, tokens, plan, encoder, config, progress)
         model = ModelIdentity(
             name=model_dir.name,
             fingerprint=model_fingerprint(model_dir),
@@ -95,8 +95,7 @@ def build_datastore(
         keys = np.load(work / "keys.npy", mmap_mode="r")
         stats = {"context_length": config.context_length, "stride": config.stride, "encode_tokens_per_s": encode_rate}
         manifest = _index_keys(work, keys, window_values(tokens, plan), model, config.key_type, config, corpus, stats, started, progress)
-        # Each document of n tokens gives n - 1 entries (every position but its last), in corpus order.
-        np.save(work / "documents.npy", np.concatenate([[0], np.cumsum(np.maximum(np.diff(offsets), 1) - 1)]).astype(np.int64))
+        np.save(work / "documents.npy", document_starts(offsets))
         table.write(work / PROVENANCE)
         manifest = manifest.model_copy(
             update={"documents": file_entry(work, work / "documents.npy"), "provenance": file_entry(work, work / PROVENANCE)}
@@ -147,7 +146,7 @@ def build_from_keys(
     _check_output(output, overwrite)
     if len(keys) != len(values) or len(keys) == 0:
         raise DatastoreError(f"build_from_keys needs as many values as keys, at least one: got {len(keys)} keys, {len(values)} values")
-    work = output.with_name(f".{output.name}.partial")
+    work = workdir(output)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     corpus = CorpusStats(sources=[source], documents=0, tokens=len(keys))
@@ -172,12 +171,15 @@ def _index_keys(
     """Train the quantizer and add the shards (each phase resumable in `work`); the manifest to write."""
     factory = index_factory_string(config.index, len(keys), keys.shape[1], config.pca_dim)
     train_size = train_once(work, keys, factory, config, progress)
-    shards = add_shards(work, keys, values, config, progress)
+    shards = add_shards(work, keys, values, work / "trained.faiss", config.shards, config.keep_keys, progress)
+    if not (work / QUANTIZER).exists():  # kept: `knnlm-index add` puts new entries in copies of it
+        os.link(work / "trained.faiss", work / QUANTIZER)
     manifest = Manifest(
         model=model,
         key_type=key_type,
         dim=keys.shape[1],
         index=IndexSpec(factory=factory, nprobe=DEFAULT_NPROBE if "IVF" in factory else None, train_size=train_size),
+        quantizer=file_entry(work, work / QUANTIZER),
         entries=len(keys),
         shards=shards,
         corpus=corpus,
@@ -202,19 +204,13 @@ def _check_output(output: Path, overwrite: bool) -> None:
         raise DatastoreError(f"{output} exists and is not an empty directory; choose another output or pass --overwrite")
 
 
-def _prepare_workdir(work: Path, identity: dict) -> None:
-    """Resume `work` if it holds this very build; start afresh if it holds another one."""
-    build_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    marker = work / "build.json"
-    if work.exists():
-        if marker.exists() and json.loads(marker.read_text()).get("build_id") == build_id:
-            return
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    write_json_atomic(marker, {"build_id": build_id, **identity})
+def document_starts(offsets: np.ndarray, first_entry: int = 0) -> np.ndarray:
+    """documents.npy for documents at token `offsets`: each document of n tokens gives n - 1
+    entries (every position but its last), in corpus order, from entry `first_entry`."""
+    return (first_entry + np.concatenate([[0], np.cumsum(np.maximum(np.diff(offsets), 1) - 1)])).astype(np.int64)
 
 
-def _tokenize(work: Path, files: list[Path], model_dir: Path, config: BuildConfig, progress: bool) -> CorpusStats:
+def tokenize_corpus(work: Path, files: list[Path], model_dir: Path, config: BuildConfig, progress: bool) -> CorpusStats:
     """All documents' token ids, concatenated, with document offsets and where each came from
     (`corpus_documents.json`, the document table before the held-out slice); done once per build."""
     stats_file = work / "corpus.json"
@@ -248,7 +244,7 @@ def _tokenize(work: Path, files: list[Path], model_dir: Path, config: BuildConfi
     return stats
 
 
-def _encode(work: Path, tokens: np.ndarray, plan, encoder: KeyEncoder, config: BuildConfig, progress: bool) -> float:
+def encode_keys(work: Path, tokens: np.ndarray, plan, encoder: KeyEncoder, config: BuildConfig, progress: bool) -> float:
     """Keys into an fp16 memmap, batch by batch; `encode.json` records the batches on disk."""
     keys_file, progress_file = work / "keys.npy", work / "encode.json"
     done = json.loads(progress_file.read_text())["batches_done"] if progress_file.exists() else 0
@@ -266,18 +262,7 @@ def _encode(work: Path, tokens: np.ndarray, plan, encoder: KeyEncoder, config: B
 
 
 def _publish(work: Path, output: Path, progress: bool) -> Manifest:
-    """Drop the build's scratch files, then move the finished datastore into place."""
-    manifest = Manifest.model_validate_json((work / MANIFEST).read_text())
-    keep = {MANIFEST} | {f.path.split("/")[0] for f in manifest.files()}
-    for item in work.iterdir():
-        if item.name not in keep:
-            shutil.rmtree(item) if item.is_dir() else item.unlink()
-    old = output.with_name(f".{output.name}.old")
-    if output.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(output, old)
-    os.replace(work, output)
-    shutil.rmtree(old, ignore_errors=True)
+    manifest = publish(work, output)
     (logger.info if progress else logger.debug)(
         "%s: %s entries in %d shard(s), %s, key %s (dim %d), %d documents, %.1f s",
         output,

@@ -63,7 +63,7 @@ def calibrate_on(
     del encoder
     targets = window_values(tokens, plan)
     searchers = open_shards(root, manifest)
-    shards = [(s.index, s.values, None, s.first_id) for s in searchers]
+    shards = [(s.index, s.values, s.keep, s.first_id) for s in searchers]
     grid = SweepGrid(skip_tolerance=config.skip_tolerance, k_tolerance=config.k_tolerance)
 
     def fit_at(nprobe: int | None) -> tuple[dict, np.ndarray, np.ndarray]:

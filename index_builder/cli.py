@@ -1,4 +1,4 @@
-"""`knnlm-index`: build, inspect and verify kNN-LM datastores."""
+"""`knnlm-index`: build, calibrate, grow (add), forget, inspect and verify kNN-LM datastores."""
 
 from __future__ import annotations
 
@@ -75,6 +75,25 @@ def main(argv: list[str] | None = None) -> None:
     )
     calibrate.add_argument("--quiet", action="store_true", help="no progress bars")
 
+    add = commands.add_parser(
+        "add", help="a new version of a datastore with the entries of new documents (old shards reused; resumable, atomic)"
+    )
+    add.add_argument("datastore")
+    add.add_argument("inputs", nargs="+", help="the new documents: .txt/.md/.rst/.jsonl files (optionally .gz) or directories")
+    add.add_argument("--model", default=DEFAULT_MODEL, help='the model the datastore was built for: "default" or a directory')
+    add.add_argument("--text-field", default=BuildConfig().text_field, help="field holding the text in .jsonl inputs")
+    add.add_argument("--batch-size", type=int, help=f"windows per forward pass (default: {BuildConfig().batch_size})")
+    add.add_argument("--recalibrate", action="store_true", help="fit the calibration again on the build's held-out slice")
+    add.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    forget = commands.add_parser(
+        "forget", help="a new version of a datastore in which no search, pointer, explanation or snippet reaches some documents"
+    )
+    forget.add_argument("datastore")
+    forget.add_argument("--document", type=int, action="append", default=[], help="a document's number (as explanations show it)")
+    forget.add_argument("--source", action="append", default=[], help="every document of this source file")
+    forget.add_argument("--id", action="append", default=[], help="the document with this .jsonl id")
+
     inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
     inspect.add_argument("datastore")
     inspect.add_argument("--no-checksums", action="store_true", help="skip re-hashing the shard files")
@@ -116,6 +135,24 @@ def main(argv: list[str] | None = None) -> None:
                 raise ConfigError(validation_message(e)) from None
             manifest = recalibrate(args.datastore, args.texts, model_dir_for(args.model), config, progress=not args.quiet)
             print(json.dumps(manifest.calibration.model_dump(mode="json", by_alias=True), indent=2))
+        elif args.command == "add":
+            from index_builder.add import add_documents
+
+            _, record = add_documents(
+                args.datastore,
+                args.inputs,
+                model_dir_for(args.model),
+                text_field=args.text_field,
+                batch_size=args.batch_size,
+                recalibrate=args.recalibrate,
+                progress=not args.quiet,
+            )
+            print(json.dumps(record.model_dump(mode="json"), indent=2))
+        elif args.command == "forget":
+            from index_builder.forget import forget_documents
+
+            _, records = forget_documents(args.datastore, documents=args.document, sources=args.source, ids=args.id)
+            print(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
         elif args.command == "inspect":
             from index_builder.verify import inspect_datastore, provenance_summary
 

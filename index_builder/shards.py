@@ -49,20 +49,23 @@ def train_once(work: Path, keys: np.ndarray, factory: str, config: BuildConfig, 
     return trained_on
 
 
-def add_shards(work: Path, keys: np.ndarray, values: np.ndarray, config: BuildConfig, progress: bool) -> list[ShardEntry]:
-    """Split the entries evenly into contiguous shards; each is added to a clone of the trained index."""
-    bounds = np.linspace(0, len(keys), config.shards + 1).astype(np.int64)
+def add_shards(
+    work: Path, keys: np.ndarray, values: np.ndarray, trained: Path, count: int, keep_keys: bool, progress: bool, first_number: int = 0
+) -> list[ShardEntry]:
+    """Split the entries evenly into `count` contiguous shards, numbered from `first_number`; each
+    is added to a copy of the `trained` (empty) index."""
+    bounds = np.linspace(0, len(keys), count + 1).astype(np.int64)
     bar = tqdm(total=len(keys), unit="key", unit_scale=True, desc="add", disable=not progress)
     shards = []
-    for s in range(config.shards):
+    for s in range(count):
         lo, hi = int(bounds[s]), int(bounds[s + 1])
-        name = f"shard-{s:03d}"
+        name = f"shard-{first_number + s:03d}"
         final = work / name
         if not final.exists():
             tmp = work / f".{name}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            index = faiss.read_index(str(work / "trained.faiss"))
+            index = faiss.read_index(str(trained))
             set_nprobe(index, DEFAULT_NPROBE)
             for start in range(lo, hi, ADD_BATCH):
                 end = min(start + ADD_BATCH, hi)
@@ -70,7 +73,7 @@ def add_shards(work: Path, keys: np.ndarray, values: np.ndarray, config: BuildCo
                 bar.update(end - start)
             faiss.write_index(index, str(tmp / "index.faiss"))
             np.save(tmp / "values.npy", np.asarray(values[lo:hi], dtype=np.int32))
-            if config.keep_keys:
+            if keep_keys:
                 np.save(tmp / "keys.npy", np.asarray(keys[lo:hi], dtype=np.float16))
             os.replace(tmp, final)
         else:
@@ -81,7 +84,7 @@ def add_shards(work: Path, keys: np.ndarray, values: np.ndarray, config: BuildCo
                 entries=hi - lo,
                 index=file_entry(work, final / "index.faiss"),
                 values=file_entry(work, final / "values.npy"),
-                keys=file_entry(work, final / "keys.npy") if config.keep_keys else None,
+                keys=file_entry(work, final / "keys.npy") if keep_keys else None,
             )
         )
     bar.close()

@@ -54,7 +54,10 @@ def verify_datastore(path: str | Path, samples: int = 1000, k: int = 8, nprobe: 
     hits, value_hits, top1_distances, distinct, total = 0, 0, [], [], 0
     per_shard = max(1, samples // len(searchers))
     for s, searcher in enumerate(searchers):
-        ids = np.sort(rng.choice(searcher.ntotal, min(per_shard, searcher.ntotal), replace=False))
+        live = np.flatnonzero(searcher.keep) if searcher.keep is not None else np.arange(searcher.ntotal)  # not forgotten
+        if len(live) == 0:
+            continue
+        ids = np.sort(rng.choice(live, min(per_shard, len(live)), replace=False))
         queries = stored_keys(root, manifest, s, searcher, ids)
         params = faiss.SearchParametersIVF(nprobe=nprobe) if nprobe else None
         distances, found = searcher.index.search(queries, k, params=params)

@@ -13,6 +13,7 @@ class ErrorKind(str, Enum):
     MALFORMED = "malformed"  # a request field is not of its form (a name, a path, a knob's type)
     INVALID = "invalid"  # the input is wrong: fix it and retry
     NOT_FOUND = "not_found"  # a named thing (path, datastore) does not exist
+    GONE = "gone"  # it existed and was removed on purpose (a forgotten document)
     FORBIDDEN = "forbidden"  # allowed by nobody in this configuration
     UNAVAILABLE = "unavailable"  # a dependency failed (a shard, the engine): retry later
     BUSY = "busy"  # at capacity for this kind of request: retry later

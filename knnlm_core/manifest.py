@@ -14,6 +14,7 @@ from knnlm_core.config import AdaptiveLambda, KeyType
 FORMAT = "knnlm-datastore"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+QUANTIZER = "quantizer.faiss"  # the trained index with no entries, which every shard is a copy of
 
 
 class _Record(BaseModel):
@@ -140,6 +141,32 @@ class Calibration(_Record):
     created: str
 
 
+class ForgetRecord(_Record):
+    """An audit line of `knnlm-index forget`: which document, and when; never its text. Its entries
+    [first, end) stay in the shard files, masked from every search and lookup, until `compact`."""
+
+    document: int
+    source: str
+    line: int | None
+    id: str | None
+    sha256: str  # of the document's text, to show which text it was
+    entries: tuple[int, int]
+    at: str
+
+
+class AddRecord(_Record):
+    """An audit line of `knnlm-index add`: documents [first_document, ...) and their entries, in new shards."""
+
+    first_document: int
+    documents: int
+    entries: int
+    shards: list[str]
+    sources: list[str]
+    seconds: float
+    encode_seconds: float
+    at: str
+
+
 class Manifest(_Record):
     format: Literal["knnlm-datastore"] = FORMAT
     format_version: int = FORMAT_VERSION
@@ -155,13 +182,17 @@ class Manifest(_Record):
     calibration: Calibration | None = None
     calibration_note: str | None = None  # why there is no calibration
     calibration_history: list[Calibration] = []  # earlier calibrations, oldest first
+    quantizer: FileEntry | None = None  # quantizer.faiss; None: built before it was kept (`add` empties a shard's copy)
     documents: FileEntry | None = None  # documents.npy; None: no document boundaries (no pointer following)
     provenance: FileEntry | None = None  # provenance.json; None: cannot explain its neighbours
+    additions: list[AddRecord] = []  # `knnlm-index add` runs since the build (or the last compact), oldest first
+    forgotten: list[ForgetRecord] = []  # documents forgotten since the build (or the last compact), oldest first
     checksum: str | None = None  # sha256 of this manifest without this field (None: written before it existed)
 
     def files(self) -> list[FileEntry]:
         """Every data file the manifest lists, with its size and checksum."""
-        return [f for s in self.shards for f in shard_files(s)] + [f for f in (self.documents, self.provenance) if f is not None]
+        extra = (self.quantizer, self.documents, self.provenance)
+        return [f for s in self.shards for f in shard_files(s)] + [f for f in extra if f is not None]
 
 
 def served_nprobe(manifest: Manifest) -> int | None:

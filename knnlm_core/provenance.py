@@ -23,7 +23,7 @@ import numpy as np
 from knnlm_core.datastore import load_document_starts, load_values
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.files import write_json_atomic
-from knnlm_core.manifest import Manifest
+from knnlm_core.manifest import ForgetRecord, Manifest
 
 PROVENANCE = "provenance.json"
 
@@ -67,6 +67,20 @@ class DocumentTable:
             *([column[r] for r in rows] for column in (self.source, self.line, self.id, self.first_token, self.sha256)),
         )
 
+    def extended(self, other: DocumentTable) -> DocumentTable:
+        """This table's documents followed by `other`'s, their sources relative to a common root."""
+        roots = [t.root for t in (self, other) if len(t)]
+        root = os.path.commonpath(roots) if roots else ""
+        paths = [[os.path.relpath(os.path.join(t.root, t.sources[i]), root) for i in t.source] for t in (self, other)]
+        sources = list(dict.fromkeys(paths[0] + paths[1]))
+        number = {s: i for i, s in enumerate(sources)}
+        return DocumentTable(
+            root,
+            sources,
+            [number[p] for p in paths[0] + paths[1]],
+            *(getattr(self, column) + getattr(other, column) for column in ("line", "id", "first_token", "sha256")),
+        )
+
     def write(self, path: Path) -> None:
         write_json_atomic(path, self.__dict__)
 
@@ -104,12 +118,13 @@ class DocumentTable:
 class Provenance:
     """A datastore's entries, documents and their tokens, for explaining neighbours."""
 
-    def __init__(self, table: DocumentTable, starts: np.ndarray, values: list[np.ndarray]):
+    def __init__(self, table: DocumentTable, starts: np.ndarray, values: list[np.ndarray], forgotten: dict[int, ForgetRecord] | None = None):
         if len(starts) != len(table) + 1:
             raise DatastoreError(
                 f"{PROVENANCE} lists {len(table)} documents, documents.npy {len(starts) - 1}: they must agree; rebuild the datastore"
             )
         self.table, self.starts = table, starts
+        self.forgotten = forgotten or {}  # document -> its audit record (`knnlm-index forget`)
         self._values = values  # per shard, memory-mapped
         self._first_ids = np.cumsum([0] + [len(v) for v in values])
 
@@ -125,7 +140,8 @@ class Provenance:
             )
         vocab = manifest.model.vocab_size
         values = [load_values(root / s.values.path, s.entries, vocab) for s in manifest.shards]
-        return cls(DocumentTable.read(root / manifest.provenance.path, vocab), load_document_starts(root, manifest), values)
+        forgotten = {r.document: r for r in manifest.forgotten}
+        return cls(DocumentTable.read(root / manifest.provenance.path, vocab), load_document_starts(root, manifest), values, forgotten)
 
     @property
     def documents(self) -> int:
@@ -143,6 +159,12 @@ class Provenance:
         if not 0 <= document < self.documents:
             raise DatastoreError(
                 f"document {document} does not exist: the datastore has documents 0..{self.documents - 1}", ErrorKind.NOT_FOUND
+            )
+        if document in self.forgotten:
+            raise DatastoreError(
+                f"document {document} was forgotten at {self.forgotten[document].at} (`knnlm-index forget`): "
+                "its text is no longer served",
+                ErrorKind.GONE,
             )
         length = int(self.starts[document + 1] - self.starts[document]) + 1
         start, end = max(0, start), length if end is None else min(end, length)

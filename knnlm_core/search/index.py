@@ -53,7 +53,8 @@ def faiss_search(
 ) -> tuple[np.ndarray, np.ndarray]:
     """FAISS's (distances, ids) [n, min(k, N)], with the nprobe and subset `search_index` takes;
     with an IVF index's `centroids`, its coarse step by torch where that is faster (`coarse_by_torch`)."""
-    selector = faiss.IDSelectorBatch(np.flatnonzero(keep).astype(np.int64)) if keep is not None else None
+    bitmap = np.packbits(np.asarray(keep, dtype=bool), bitorder="little") if keep is not None else None
+    selector = faiss.IDSelectorBitmap(len(keep), faiss.swig_ptr(bitmap)) if keep is not None else None  # one bit test a code
     params = None
     ivf = ivf_of(index)
     if ivf is not None:  # SearchParametersIVF defaults to nprobe 1: always say which

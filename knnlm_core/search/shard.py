@@ -18,6 +18,7 @@ from knnlm_core.manifest import Manifest, ShardEntry
 from knnlm_core.search.exact import flat_keys
 from knnlm_core.search.index import gpu_available, search_index
 from knnlm_core.search.ivf import is_fast_scan, ivf_centroids, ivf_of
+from knnlm_core.tombstones import live_mask
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +31,12 @@ class ShardSearcher:
     shard (replicas, versions) share them. IVF lists and flat codes map; what FAISS computes at
     load, like IVF-PQ's precomputed distance table (nlist x 64 KiB), stays private memory."""
 
-    def __init__(self, root: Path, shard: ShardEntry, first_id: int, use_gpu: bool | None = None, mmap: bool = False):
+    def __init__(
+        self, root: Path, shard: ShardEntry, first_id: int, use_gpu: bool | None = None, mmap: bool = False, keep: np.ndarray | None = None
+    ):
         self.name = shard.name
         self.first_id = first_id
+        self.keep = keep  # False: a forgotten document's entry (knnlm_core/tombstones.py), never found
         index = faiss.read_index(str(root / shard.index.path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0)
         self.values = np.ascontiguousarray(load_values(root / shard.values.path), dtype=np.int32)
         if len(self.values) != index.ntotal:
@@ -75,7 +79,9 @@ class ShardSearcher:
         return out
 
     def search(self, queries: np.ndarray, k: int, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return search_index(self.index, self.values, queries, k, nprobe, first_id=self.first_id, exact=self.exact, centroids=self.centroids)
+        return search_index(
+            self.index, self.values, queries, k, nprobe, self.keep, first_id=self.first_id, exact=self.exact, centroids=self.centroids
+        )
 
     def lookup(self, queries: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Score row i's candidate entries `ids[i]` (global ids, -1 padding; ids of other shards are
@@ -83,6 +89,8 @@ class ShardSearcher:
         The distance is the index's own: exact keys for Flat, the decoded codes for PQ, and for 4-bit
         fast-scan PQ its own scan restricted to the candidates (`_scan_candidates`)."""
         local = np.where((ids >= self.first_id) & (ids < self.first_id + self.ntotal), ids - self.first_id, -1)
+        if self.keep is not None:
+            local = np.where(self.keep[np.maximum(local, 0)], local, -1)
         found = local >= 0
         if self.fast_scan:
             distances = self._scan_candidates(queries, local)
@@ -177,5 +185,12 @@ def shard_first_ids(manifest: Manifest) -> list[int]:
     return np.concatenate([[0], np.cumsum([s.entries for s in manifest.shards])[:-1]]).astype(int).tolist()
 
 
-def open_shards(root: Path, manifest: Manifest, use_gpu: bool | None = None) -> list[ShardSearcher]:
-    return [ShardSearcher(root, shard, first, use_gpu=use_gpu) for shard, first in zip(manifest.shards, shard_first_ids(manifest))]
+def open_shards(
+    root: Path, manifest: Manifest, use_gpu: bool | None = None, mmap: bool = False, names: set[str] | None = None
+) -> list[ShardSearcher]:
+    """The datastore's shards (those in `names`, if given), each with its tombstones."""
+    return [
+        ShardSearcher(root, shard, first, use_gpu, mmap, live_mask(manifest, first, shard.entries))
+        for shard, first in zip(manifest.shards, shard_first_ids(manifest))
+        if names is None or shard.name in names
+    ]

@@ -136,6 +136,9 @@ def find_neighbours(root: Path, manifest: Manifest, variant: Variant, keys: np.n
         if variant.index == "exact":
             index = faiss.IndexFlatL2(s.dim)
             index.add(np.load(root / entry.keys.path, mmap_mode="r").astype(np.float32))
-        keep = rng.random(s.ntotal) < variant.fraction if variant.fraction < 1 else None
+        keep = s.keep
+        if variant.fraction < 1:
+            sample = rng.random(s.ntotal) < variant.fraction
+            keep = sample if keep is None else sample & keep
         shards.append((index, s.values, keep, s.first_id))
     return search_many(shards, keys, k, variant.nprobe, progress=config.progress, desc=f"search {variant.label}")

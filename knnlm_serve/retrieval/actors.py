@@ -19,7 +19,7 @@ import numpy as np
 from knnlm_core.config import KnnConfig
 from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
-from knnlm_core.search import ShardSearcher, gpu_available, shard_first_ids
+from knnlm_core.search import gpu_available, open_shards
 from knnlm_serve.retrieval.types import timed
 from knnlm_serve.runtime import DatastoreInfo
 
@@ -46,9 +46,7 @@ class ShardActor:
         self._search_threads = threads or len(self._allowed)
         self._threads_set: set[int] = set()  # the threads that search with _search_threads
         self._use_search_threads()
-        manifest = read_manifest(root)
-        ((shard, first),) = [(s, f) for s, f in zip(manifest.shards, shard_first_ids(manifest)) if s.name == shard_name]
-        self.searcher = ShardSearcher(Path(root), shard, first, use_gpu, mmap)
+        (self.searcher,) = open_shards(Path(root), read_manifest(root), use_gpu, mmap, names={shard_name})
 
     def describe(self) -> dict:
         import ray

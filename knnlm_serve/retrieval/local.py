@@ -8,7 +8,7 @@ import numpy as np
 
 from knnlm_core.config import KnnConfig
 from knnlm_core.datastore import read_manifest
-from knnlm_core.search import ShardSearcher, merge_topk, shard_first_ids
+from knnlm_core.search import ShardSearcher, merge_topk, open_shards
 from knnlm_serve.retrieval.types import SearchResult, timed
 from knnlm_serve.runtime import DatastoreInfo
 
@@ -21,11 +21,7 @@ class LocalRetriever:
     def start(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
         """In-process shards search at once: their answer is the pending search."""
         if info.key not in self._shards:
-            manifest = read_manifest(info.path)
-            self._shards[info.key] = [
-                ShardSearcher(Path(info.path), s, first, self.gpu, self.mmap)
-                for s, first in zip(manifest.shards, shard_first_ids(manifest))
-            ]
+            self._shards[info.key] = open_shards(Path(info.path), read_manifest(info.path), self.gpu, self.mmap)
         answers = {s.name: timed(s.find, queries, k, nprobe, pointers) for s in self._shards[info.key]}
         distances, tokens, ids = merge_topk([a[:3] for a in answers.values()], k)
         return SearchResult(distances, tokens, ids, {name: a[3] for name, a in answers.items()}, transports=dict.fromkeys(answers, "local"))

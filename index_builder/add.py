@@ -1,0 +1,156 @@
+"""`knnlm-index add`: a new version of a datastore holding its entries and those of new documents.
+
+Only the new documents are tokenized and encoded, with the datastore's own model, key type and
+window plan; their entries go, in corpus order after the old ones, into new shards that are copies
+of the datastore's trained quantizer. The old shard files are hard links, never rewritten;
+`documents.npy` and `provenance.json` grow by the new documents, so pointer following and
+explanations cover them. The calibration is kept (`--recalibrate` fits it again on the build's
+held-out slice). Resumable and atomic like `build` (index_builder/versions.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from index_builder.build import document_starts, encode_keys, tokenize_corpus
+from index_builder.shards import add_shards
+from index_builder.versions import link_version, prepare_workdir, publish, replace_array, workdir
+from knnlm_core.config import BuildConfig
+from knnlm_core.corpus import find_files
+from knnlm_core.datastore import check_compatible, file_entry, load_document_starts, read_manifest, write_manifest
+from knnlm_core.errors import CorpusError, DatastoreError
+from knnlm_core.files import write_json_atomic
+from knnlm_core.keys import KeyEncoder
+from knnlm_core.manifest import MANIFEST, QUANTIZER, AddRecord, Manifest
+from knnlm_core.model_dir import model_fingerprint
+from knnlm_core.provenance import PROVENANCE, DocumentTable
+from knnlm_core.windows import plan_windows, window_values
+
+logger = logging.getLogger("index_builder")
+
+SCRATCH = "added"  # the new documents' tokens and keys, inside the work directory until publish
+
+
+def add_documents(
+    path: str | Path,
+    inputs: list[str | Path],
+    model_dir: Path,
+    *,
+    text_field: str = "text",
+    batch_size: int | None = None,
+    recalibrate: bool = False,
+    progress: bool = True,
+) -> tuple[Manifest, AddRecord]:
+    """Publish the datastore at `path` with the documents of `inputs` added; the new manifest and its record."""
+    started = time.monotonic()
+    root = Path(path).resolve()
+    manifest = read_manifest(root)
+    if manifest.documents is None or manifest.provenance is None:
+        raise DatastoreError(
+            f"datastore {root.name} records no documents (built from keys, or before knnlm-index recorded them): "
+            "documents cannot be added to it; rebuild it with `knnlm-index build`"
+        )
+    check_compatible(manifest, fingerprint=model_fingerprint(model_dir), where=f"datastore {root.name}")
+    files = find_files(inputs)
+    keep_keys = manifest.shards[0].keys is not None
+    config = BuildConfig(
+        key_type=manifest.key_type,
+        context_length=manifest.build.context_length,
+        stride=manifest.build.stride,
+        dtype=manifest.model.dtype,
+        text_field=text_field,
+        keep_keys=keep_keys,
+        **({"batch_size": batch_size} if batch_size else {}),
+    )
+    work = workdir(root)
+    identity = {"job": "add", "base": manifest.checksum, "files": [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+    prepare_workdir(work, identity)
+    scratch = work / SCRATCH
+    scratch.mkdir(exist_ok=True)
+    if not (work / MANIFEST).exists():
+        corpus = tokenize_corpus(scratch, files, model_dir, config, progress)
+        tokens, offsets = np.load(scratch / "tokens.npy", mmap_mode="r"), np.load(scratch / "doc_offsets.npy")
+        plan = plan_windows(offsets, config.context_length, config.stride)
+        if corpus.documents == 0 or plan.entries == 0:
+            raise CorpusError(f"there is no text to add in {', '.join(map(str, inputs))}: every document is empty or one token long")
+        encode_started = time.monotonic()
+        encode_keys(scratch, tokens, plan, KeyEncoder(model_dir, config.key_type, config.dtype), config, progress)
+        encode_seconds = _recorded_seconds(scratch / "encode_seconds.json", time.monotonic() - encode_started)
+        link_version(root, work, manifest)
+        quantizer = _quantizer(root, work, manifest)
+        biggest = max(s.entries for s in manifest.shards)
+        numbers = [int(s.name.rsplit("-", 1)[1]) for s in manifest.shards]
+        new_shards = add_shards(
+            work,
+            np.load(scratch / "keys.npy", mmap_mode="r"),
+            window_values(tokens, plan),
+            work / QUANTIZER,
+            math.ceil(plan.entries / biggest),
+            keep_keys,
+            progress,
+            first_number=max(numbers) + 1,
+        )
+        starts = load_document_starts(root, manifest)
+        replace_array(work / "documents.npy", np.concatenate([starts, document_starts(offsets, manifest.entries)[1:]]))
+        table = DocumentTable.read(root / manifest.provenance.path).extended(DocumentTable.read(scratch / "corpus_documents.json"))
+        table.write(work / PROVENANCE)
+        record = AddRecord(
+            first_document=len(starts) - 1,
+            documents=corpus.documents,
+            entries=plan.entries,
+            shards=[s.name for s in new_shards],
+            sources=corpus.sources,
+            seconds=round(time.monotonic() - started, 2),
+            encode_seconds=round(encode_seconds, 2),
+            at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
+        update = {
+            "entries": manifest.entries + plan.entries,
+            "shards": [*manifest.shards, *new_shards],
+            "quantizer": quantizer,
+            "documents": file_entry(work, work / "documents.npy"),
+            "provenance": file_entry(work, work / PROVENANCE),
+            "additions": [*manifest.additions, record],
+        }
+        write_manifest(work, manifest.model_copy(update=update))
+    new = publish(work, root)
+    logger.info(
+        "%s: added %d document(s), %s entries, in %d new shard(s)",
+        root,
+        new.additions[-1].documents,
+        f"{new.additions[-1].entries:,}",
+        len(new.additions[-1].shards),
+    )
+    if recalibrate:
+        from index_builder.calibrate import recalibrate as fit_again
+
+        new = fit_again(root, [], model_dir, config, progress)
+    return new, new.additions[-1]
+
+
+def _quantizer(root: Path, work: Path, manifest: Manifest):
+    """The trained, empty index new shards copy: the datastore's own, or, for a datastore built
+    before it was kept, its first shard emptied (and kept from now on)."""
+    if manifest.quantizer is not None:
+        return manifest.quantizer
+    index = faiss.read_index(str(root / manifest.shards[0].index.path))
+    index.reset()
+    faiss.write_index(index, str(work / f".{QUANTIZER}.tmp"))
+    (work / f".{QUANTIZER}.tmp").rename(work / QUANTIZER)
+    return file_entry(work, work / QUANTIZER)
+
+
+def _recorded_seconds(path: Path, seconds: float) -> float:
+    """The encode's time, kept across a resumed run (a rerun finds the keys done in no time)."""
+    if path.exists():
+        return json.loads(path.read_text())["seconds"]
+    write_json_atomic(path, {"seconds": seconds})
+    return seconds

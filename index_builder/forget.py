@@ -1,0 +1,135 @@
+"""`knnlm-index forget`: a new version of a datastore without some of its documents.
+
+Each forgotten document's entries become tombstones (knnlm_core/tombstones.py): no search or
+pointer lookup finds them again. Their stored tokens (values, kept keys, the document's first
+token) are overwritten in new files, so neither the documents route nor a snippet can show the
+text; the index files keep their codes until `knnlm-index compact`. The manifest keeps an audit
+record of each: the document, its source, the sha256 of its text, and when.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from index_builder.versions import link_version, prepare_workdir, publish, replace_array, workdir
+from knnlm_core.datastore import file_entry, load_document_starts, read_manifest, write_manifest
+from knnlm_core.errors import DatastoreError, ErrorKind
+from knnlm_core.manifest import ForgetRecord, Manifest
+from knnlm_core.provenance import PROVENANCE, DocumentTable
+from knnlm_core.search import shard_first_ids
+
+logger = logging.getLogger("index_builder")
+
+
+def find_documents(
+    table: DocumentTable, *, documents: Iterable[int] = (), sources: Iterable[str] = (), ids: Iterable[str] = ()
+) -> list[int]:
+    """The documents named by number, by source file (as listed, or a path to it) or by .jsonl id;
+    an error naming any that matches nothing."""
+    found: set[int] = set()
+    for document in documents:
+        if not 0 <= document < len(table):
+            raise DatastoreError(
+                f"document {document} does not exist: the datastore has documents 0..{len(table) - 1}", ErrorKind.NOT_FOUND
+            )
+        found.add(document)
+    for source in sources:
+        relative = os.path.relpath(os.path.abspath(source), table.root) if os.path.isabs(source) else source
+        if relative not in table.sources:
+            raise DatastoreError(
+                f"no document comes from source {source!r}; the datastore's sources are {table.sources[:10]}", ErrorKind.NOT_FOUND
+            )
+        number = table.sources.index(relative)
+        found.update(d for d, s in enumerate(table.source) if s == number)
+    for wanted in ids:
+        matches = [d for d, i in enumerate(table.id) if i == wanted]
+        if not matches:
+            raise DatastoreError(f"no document has id {wanted!r}", ErrorKind.NOT_FOUND)
+        found.update(matches)
+    if not found:
+        raise DatastoreError("name the documents to forget: --document N, --source PATH or --id ID", ErrorKind.MALFORMED)
+    return sorted(found)
+
+
+def forget_documents(
+    path: str | Path, *, documents: Iterable[int] = (), sources: Iterable[str] = (), ids: Iterable[str] = ()
+) -> tuple[Manifest, list[ForgetRecord]]:
+    """Publish the datastore at `path` without the named documents; the new manifest and its new audit records."""
+    started = time.monotonic()
+    root = Path(path).resolve()
+    manifest = read_manifest(root)
+    if manifest.documents is None or manifest.provenance is None:
+        raise DatastoreError(
+            f"datastore {root.name} records no documents (built from keys, or before knnlm-index recorded them): "
+            "there is nothing to forget by; rebuild it with `knnlm-index build`"
+        )
+    table = DocumentTable.read(root / manifest.provenance.path, manifest.model.vocab_size)
+    starts = load_document_starts(root, manifest)
+    chosen = find_documents(table, documents=documents, sources=sources, ids=ids)
+    already = {r.document: r for r in manifest.forgotten}
+    if repeated := [d for d in chosen if d in already]:
+        raise DatastoreError(f"document {repeated[0]} was already forgotten at {already[repeated[0]].at}", ErrorKind.INVALID)
+    if len(already) + len(chosen) >= len(table):
+        raise DatastoreError(
+            f"forgetting {len(chosen)} document(s) would leave datastore {root.name} none: unload or delete it instead",
+            ErrorKind.INVALID,
+        )
+    at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    records = [
+        ForgetRecord(
+            document=d,
+            source=table.sources[table.source[d]],
+            line=table.line[d],
+            id=table.id[d],
+            sha256=table.sha256[d],
+            entries=(int(starts[d]), int(starts[d + 1])),
+            at=at,
+        )
+        for d in chosen
+    ]
+    work = workdir(root)
+    prepare_workdir(work, {"job": "forget", "base": manifest.checksum, "documents": chosen})
+    link_version(root, work, manifest)
+    shards = [_scrubbed_shard(work, shard, first, records) for shard, first in zip(manifest.shards, shard_first_ids(manifest))]
+    for d in chosen:
+        table.first_token[d] = 0
+    table.write(work / PROVENANCE)
+    new = manifest.model_copy(
+        update={"shards": shards, "provenance": file_entry(work, work / PROVENANCE), "forgotten": [*manifest.forgotten, *records]}
+    )
+    write_manifest(work, new)
+    publish(work, root)
+    logger.info(
+        "%s: forgot %d document(s), %s entries, in %.1f s",
+        root,
+        len(records),
+        f"{sum(r.entries[1] - r.entries[0] for r in records):,}",
+        time.monotonic() - started,
+    )
+    return new, records
+
+
+def _scrubbed_shard(work: Path, shard, first: int, records: list[ForgetRecord]):
+    """The shard's entry, with new values (and kept keys) files where a forgotten document's entries lie."""
+    ranges = [(max(lo, first) - first, min(hi, first + shard.entries) - first) for lo, hi in (r.entries for r in records)]
+    ranges = [(lo, hi) for lo, hi in ranges if lo < hi]
+    if not ranges:
+        return shard
+    update = {}
+    for field in ("values", "keys"):
+        entry = getattr(shard, field)
+        if entry is None:
+            continue
+        array = np.load(work / entry.path)  # a copy: the link's inode is the serving version's
+        for lo, hi in ranges:
+            array[lo:hi] = 0
+        replace_array(work / entry.path, array)
+        update[field] = file_entry(work, work / entry.path)
+    return shard.model_copy(update=update)

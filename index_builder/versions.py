@@ -1,0 +1,95 @@
+"""A datastore's next version, made beside it and put in its place at once.
+
+`build`, `add` and `forget` work in a hidden sibling `.<name>.partial`, which a rerun of the same
+command resumes (`prepare_workdir`). `add` and `forget` start it from the serving version's files
+as hard links (`link_version`): nothing is copied, and a changed file is written under a new
+inode (`replace_array`), never into a link, so the serving version stays byte-identical until the
+finished directory takes its place in one atomic exchange (`publish`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from knnlm_core.files import write_json_atomic
+from knnlm_core.manifest import MANIFEST, Manifest
+
+logger = logging.getLogger("index_builder")
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def workdir(output: Path) -> Path:
+    return output.with_name(f".{output.name}.partial")
+
+
+def prepare_workdir(work: Path, identity: dict) -> bool:
+    """Resume `work` if it holds this very job (True); start it afresh if it holds another (False)."""
+    job_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    marker = work / "build.json"
+    if work.exists():
+        if marker.exists() and json.loads(marker.read_text()).get("build_id") == job_id:
+            return True
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    write_json_atomic(marker, {"build_id": job_id, **identity})
+    return False
+
+
+def link_version(root: Path, work: Path, manifest: Manifest) -> None:
+    """Hard links in `work` to every data file of the version at `root` that `work` lacks."""
+    for entry in manifest.files():
+        target = work / entry.path
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.link(root / entry.path, target)
+
+
+def replace_array(path: Path, array: np.ndarray) -> None:
+    """Write `array` to `path` as a new file: a hard link there is replaced, its inode untouched."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def publish(work: Path, output: Path) -> Manifest:
+    """Drop `work`'s scratch files, then put it in `output`'s place: readers see the old version or
+    the new one, whole (on Linux one exchange of the two directories; elsewhere two renames)."""
+    manifest = Manifest.model_validate_json((work / MANIFEST).read_text())
+    keep = {MANIFEST} | {f.path.split("/")[0] for f in manifest.files()}
+    for item in work.iterdir():
+        if item.name not in keep:
+            shutil.rmtree(item) if item.is_dir() else item.unlink()
+    if not output.exists():
+        os.replace(work, output)
+    elif not _exchange(work, output):
+        old = output.with_name(f".{output.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(output, old)
+        os.replace(work, output)
+        work = old
+    shutil.rmtree(work, ignore_errors=True)  # the replaced version: readers holding its files keep them
+    return manifest
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EXDEV, errno.ENOTSUP):
+        return False
+    raise OSError(code, f"could not put {a.name} in the place of {b.name}: {os.strerror(code)}")

@@ -1,0 +1,170 @@
+"""knnlm-index add and forget: a datastore grows and forgets documents without a rebuild, and a
+forgotten document is never found, followed, shown or counted again (real FAISS, tiny model)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_tiny_llama
+from test_index_builder import SMALL, knnlm_index, write_corpus
+
+from index_builder.add import add_documents
+from index_builder.build import build_datastore
+from index_builder.forget import forget_documents
+from index_builder.verify import verify_datastore
+from knnlm_core.datastore import load_document_starts, read_manifest, verify_checksums
+from knnlm_core.errors import DatastoreError, ErrorKind
+from knnlm_core.provenance import Provenance
+from knnlm_core.search import merge_topk, open_shards
+
+FACT = "The vault of the lighthouse opens with the words: zebra quartz maple lantern orbit velvet."
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def fact(tmp_path) -> Path:
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new/fact.txt").write_text(FACT)
+    return tmp_path / "new/fact.txt"
+
+
+def build(corpus: Path, model: Path, out: Path, **settings) -> Path:
+    build_datastore([corpus], out, model, SMALL.model_copy(update={"shards": 2, **settings}), progress=False)
+    return out
+
+
+def digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def nearest(root: Path, queries: np.ndarray, k: int):
+    manifest = read_manifest(root)
+    return merge_topk([s.search(queries, k) for s in open_shards(root, manifest)], k)
+
+
+def stored_keys(root: Path, lo: int, hi: int) -> np.ndarray:
+    """The keys of entries [lo, hi) as their shards hold them: the queries nearest to them."""
+    out = []
+    for s in open_shards(root, read_manifest(root)):
+        a, b = max(lo, s.first_id), min(hi, s.first_id + s.ntotal)
+        if a < b:
+            out.append(s.reconstruct(np.arange(a, b) - s.first_id))
+    return np.concatenate(out)
+
+
+def test_an_added_document_gets_new_shards_old_files_are_reused_and_it_is_found(corpus, fact, tiny_model_dir, tmp_path):
+    root = build(corpus, tiny_model_dir, tmp_path / "ds")
+    before = read_manifest(root)
+    inodes = {f.path: (root / f.path).stat().st_ino for s in before.shards for f in (s.index, s.values)}
+
+    manifest, record = add_documents(root, [fact], tiny_model_dir, progress=False)
+
+    assert [s.name for s in manifest.shards] == ["shard-000", "shard-001", "shard-002"] and record.shards == ["shard-002"]
+    assert {path: (root / path).stat().st_ino for path in inodes} == inodes  # the old shard files, not rewritten
+    assert manifest.entries == before.entries + record.entries and manifest.calibration == before.calibration
+    verify_checksums(root, manifest)
+    provenance = Provenance.open(root, manifest)
+    assert record.first_document == provenance.documents - 1 == before.corpus.documents
+    assert provenance.table.describe(record.first_document)["source"].endswith("fact.txt")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tiny_model_dir).decode(provenance.tokens(record.first_document)) == FACT
+    starts = load_document_starts(root, manifest)
+    lo, hi = int(starts[-2]), int(starts[-1])
+    assert (lo, hi) == (before.entries, manifest.entries)  # its entries follow the old ones: pointers stay inside it
+    _, _, ids = nearest(root, stored_keys(root, lo, hi), 1)
+    assert (ids[:, 0] == np.arange(lo, hi)).mean() > 0.9
+
+
+@pytest.mark.parametrize("index", ["flat", "ivfpq"])
+def test_a_forgotten_document_is_never_found_followed_or_shown_and_rows_keep_k_neighbours(index, corpus, fact, tiny_model_dir, tmp_path):
+    root = build(corpus, tiny_model_dir, tmp_path / "ds", index=index)
+    _, record = add_documents(root, [fact], tiny_model_dir, progress=False)
+    lo, hi = record_entries = load_document_starts(root, read_manifest(root))[-2:]
+    queries = stored_keys(root, int(lo), int(hi))
+    k = 64
+
+    manifest, (forgotten,) = forget_documents(root, documents=[record.first_document])
+
+    assert forgotten.entries == tuple(int(x) for x in record_entries) and forgotten.sha256 == hashlib.sha256(FACT.encode()).hexdigest()
+    assert FACT not in (root / "manifest.json").read_text()  # the audit record keeps which text, not the text
+    distances, tokens, ids = nearest(root, queries, k)
+    assert not ((ids >= lo) & (ids < hi)).any()
+    assert (ids >= 0).all() and np.isfinite(distances).all()  # every row still has its k neighbours
+    for searcher in open_shards(root, manifest):  # pointer lookups of its entries find nothing
+        _, found, _ = searcher.lookup(queries[:2], np.tile(np.arange(lo, hi), (2, 1)))
+        assert (found == -1).all()
+    provenance = Provenance.open(root, manifest)
+    with pytest.raises(DatastoreError) as gone:
+        provenance.tokens(record.first_document)
+    assert gone.value.kind == ErrorKind.GONE and "forgotten" in str(gone.value)
+    assert not np.concatenate([np.asarray(s.values) for s in open_shards(root, manifest)])[lo:hi].any()  # its tokens are overwritten
+    report = verify_datastore(root, samples=100)
+    assert report["problems"] == [] and report["value_at_1"] > 0.5
+
+
+def test_a_killed_add_leaves_the_datastore_byte_identical_and_a_rerun_completes(corpus, tiny_model_dir, tmp_path):
+    root = build(corpus, tiny_model_dir, tmp_path / "ds")
+    more = write_corpus(tmp_path / "more", ("collections", "typing", "inspect", "subprocess", "unittest", "doctest"))
+    before = digest(root)
+    args = ["add", str(root), str(more), "--model", str(tiny_model_dir), "--batch-size", "1", "--quiet"]
+    progress_file = tmp_path / ".ds.partial/added/encode.json"
+    child = subprocess.Popen([sys.executable, "-m", "index_builder.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (progress_file.exists() and json.loads(progress_file.read_text())["batches_done"] >= 3):
+        time.sleep(0.005)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert json.loads(progress_file.read_text())["batches_done"] < 100  # killed part-way
+    assert digest(root) == before  # the serving version, byte for byte
+
+    rerun = knnlm_index(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    manifest = read_manifest(root)
+    assert len(manifest.additions) == 1 and manifest.additions[0].documents == 6
+    assert {p: h for p, h in digest(root).items() if p.startswith(("shard-000", "shard-001"))} == {
+        p: h for p, h in before.items() if p.startswith(("shard-000", "shard-001"))
+    }
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["forget", "{root}", "--document", "99"], "document 99 does not exist"),
+        (["forget", "{root}", "--id", "nope"], "no document has id 'nope'"),
+        (["forget", "{root}"], "name the documents to forget"),
+        (["forget", "{root}", *[a for d in range(6) for a in ("--document", str(d))]], "would leave datastore ds none"),
+        (["add", "{root}", "{empty}", "--model", "{model}"], "no text"),
+        (["add", "{root}", "{corpus}", "--model", "{other}"], "was built for model"),
+    ],
+    ids=["unknown-document", "unknown-id", "nothing-named", "every-document", "empty-add", "other-model"],
+)
+def test_bad_adds_and_forgets_name_the_problem_and_change_nothing(args, message, corpus, tiny_model_dir, smollm2_dir, tmp_path):
+    root = build(corpus, tiny_model_dir, tmp_path / "ds")
+    (tmp_path / "empty.txt").write_text("  \n")
+    other = make_tiny_llama(tmp_path / "other", smollm2_dir, seed=1) if "{other}" in args else None
+    names = {"root": root, "empty": tmp_path / "empty.txt", "model": tiny_model_dir, "corpus": corpus, "other": other}
+    before = digest(root)
+    result = knnlm_index(*(a.format(**names) for a in args))
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert digest(root) == before
+
+
+def test_forgetting_a_document_twice_says_when_it_was_forgotten(corpus, tiny_model_dir, tmp_path):
+    root = build(corpus, tiny_model_dir, tmp_path / "ds")
+    forget_documents(root, documents=[1])
+    with pytest.raises(DatastoreError, match="document 1 was already forgotten at 20"):
+        forget_documents(root, documents=[1])
