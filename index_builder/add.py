@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -85,7 +86,7 @@ def add_documents(
         encode_keys(scratch, tokens, plan, KeyEncoder(model_dir, config.key_type, config.dtype), config, progress)
         encode_seconds = _recorded_seconds(scratch / "encode_seconds.json", time.monotonic() - encode_started)
         link_version(root, work, manifest)
-        quantizer = _quantizer(root, work, manifest)
+        quantizer = quantizer_of(root, work, manifest)
         biggest = max(s.entries for s in manifest.shards)
         numbers = [int(s.name.rsplit("-", 1)[1]) for s in manifest.shards]
         new_shards = add_shards(
@@ -136,10 +137,12 @@ def add_documents(
     return new, new.additions[-1]
 
 
-def _quantizer(root: Path, work: Path, manifest: Manifest):
-    """The trained, empty index new shards copy: the datastore's own, or, for a datastore built
-    before it was kept, its first shard emptied (and kept from now on)."""
+def quantizer_of(root: Path, work: Path, manifest: Manifest):
+    """The trained, empty index new shards copy, in `work`: the datastore's own (linked), or, for
+    a datastore built before it was kept, its first shard emptied (and kept from now on)."""
     if manifest.quantizer is not None:
+        if not (work / QUANTIZER).exists():
+            os.link(root / manifest.quantizer.path, work / QUANTIZER)
         return manifest.quantizer
     index = faiss.read_index(str(root / manifest.shards[0].index.path))
     index.reset()

@@ -1,4 +1,4 @@
-"""`knnlm-index`: build, calibrate, grow (add), forget, inspect and verify kNN-LM datastores."""
+"""`knnlm-index`: build, calibrate, grow (add), forget, compact, inspect and verify kNN-LM datastores."""
 
 from __future__ import annotations
 
@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> None:
     forget.add_argument("--source", action="append", default=[], help="every document of this source file")
     forget.add_argument("--id", action="append", default=[], help="the document with this .jsonl id")
 
+    compact = commands.add_parser(
+        "compact", help="fold added shards and forgotten documents' tombstones into a plain datastore (resumable, atomic)"
+    )
+    compact.add_argument("datastore")
+    compact.add_argument("--shards", type=int, help="default: as many as the build's shard size needs")
+    compact.add_argument("--quiet", action="store_true", help="no progress bars")
+
     inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
     inspect.add_argument("datastore")
     inspect.add_argument("--no-checksums", action="store_true", help="skip re-hashing the shard files")
@@ -153,6 +160,11 @@ def main(argv: list[str] | None = None) -> None:
 
             _, records = forget_documents(args.datastore, documents=args.document, sources=args.source, ids=args.id)
             print(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
+        elif args.command == "compact":
+            from index_builder.compact import compact_datastore
+
+            manifest = compact_datastore(args.datastore, shards=args.shards, progress=not args.quiet)
+            print(json.dumps(manifest.compactions[-1].model_dump(mode="json", exclude={"forgotten"}), indent=2))
         elif args.command == "inspect":
             from index_builder.verify import inspect_datastore, provenance_summary
 

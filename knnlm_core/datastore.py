@@ -77,10 +77,20 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     return manifest
 
 
-def verify_checksums(path: str | os.PathLike, manifest: Manifest) -> None:
-    """Re-hash every data file; raise on the first that does not match the manifest."""
+def verify_checksums(path: str | os.PathLike, manifest: Manifest, hashed: dict | None = None) -> None:
+    """Re-hash every data file; raise on the first that does not match the manifest. `hashed`
+    remembers each file's hash by its inode, size and mtime, so a later version whose files are
+    hard links of this one's (`knnlm-index add`, `forget`) hashes only its new files."""
     for entry in manifest.files():
-        if sha256_file(Path(path) / entry.path) != entry.sha256:
+        file = Path(path) / entry.path
+        stat = file.stat()
+        identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        digest = hashed.get(identity) if hashed is not None else None
+        if digest is None:
+            digest = sha256_file(file)
+            if hashed is not None:
+                hashed[identity] = digest
+        if digest != entry.sha256:
             raise DatastoreError(f"datastore {path}: checksum mismatch in {entry.path}; the file is corrupt")
 
 

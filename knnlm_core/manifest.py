@@ -167,6 +167,17 @@ class AddRecord(_Record):
     at: str
 
 
+class CompactRecord(_Record):
+    """An audit line of `knnlm-index compact`: the tombstones and added shards it folded in."""
+
+    at: str
+    removed_entries: int
+    tombstone_share: float  # of the entries, before
+    folded_additions: int
+    forgotten: list[ForgetRecord]  # their audit records, kept (their entry ranges are of the layout before)
+    seconds: float
+
+
 class Manifest(_Record):
     format: Literal["knnlm-datastore"] = FORMAT
     format_version: int = FORMAT_VERSION
@@ -187,6 +198,7 @@ class Manifest(_Record):
     provenance: FileEntry | None = None  # provenance.json; None: cannot explain its neighbours
     additions: list[AddRecord] = []  # `knnlm-index add` runs since the build (or the last compact), oldest first
     forgotten: list[ForgetRecord] = []  # documents forgotten since the build (or the last compact), oldest first
+    compactions: list[CompactRecord] = []
     checksum: str | None = None  # sha256 of this manifest without this field (None: written before it existed)
 
     def files(self) -> list[FileEntry]:

@@ -118,7 +118,9 @@ class DocumentTable:
 class Provenance:
     """A datastore's entries, documents and their tokens, for explaining neighbours."""
 
-    def __init__(self, table: DocumentTable, starts: np.ndarray, values: list[np.ndarray], forgotten: dict[int, ForgetRecord] | None = None):
+    def __init__(
+        self, table: DocumentTable, starts: np.ndarray, values: list[np.ndarray], forgotten: dict[int, ForgetRecord] | None = None
+    ):
         if len(starts) != len(table) + 1:
             raise DatastoreError(
                 f"{PROVENANCE} lists {len(table)} documents, documents.npy {len(starts) - 1}: they must agree; rebuild the datastore"
@@ -162,8 +164,7 @@ class Provenance:
             )
         if document in self.forgotten:
             raise DatastoreError(
-                f"document {document} was forgotten at {self.forgotten[document].at} (`knnlm-index forget`): "
-                "its text is no longer served",
+                f"document {document} was forgotten at {self.forgotten[document].at} (`knnlm-index forget`): its text is no longer served",
                 ErrorKind.GONE,
             )
         length = int(self.starts[document + 1] - self.starts[document]) + 1

@@ -94,3 +94,18 @@ SWAP_SECONDS = Histogram(
     buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
 SHARD_RESTARTS = Counter("knnlm_shard_restarts", "shard actors that Ray restarted", ["datastore", "shard", "replica"])
+DOCUMENT_JOBS = Counter(
+    "knnlm_document_jobs", "adds and forgets of a serving datastore's documents, by result", ["datastore", "job", "result"]
+)
+DOCUMENT_JOB_SECONDS = Histogram(
+    "knnlm_document_job_seconds",
+    "one add or forget, from the request to the new version serving",
+    ["datastore", "job"],
+    buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600),
+)
+DOCUMENTS = Gauge(
+    "knnlm_datastore_documents",
+    "documents the serving version holds (forgotten ones not counted)",
+    ["datastore"],
+    multiprocess_mode="mostrecent",
+)

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from knnlm_core.config import AdaptiveLambda, KeyType, KnnConfig
-from knnlm_core.datastore import check_compatible, read_manifest
+from knnlm_core.datastore import check_compatible, load_document_starts, read_manifest
 from knnlm_core.errors import DatastoreError
 from knnlm_core.keys import no_ffn_input_error, supports_ffn_input
 from knnlm_core.manifest import Calibration, Manifest, served_nprobe
@@ -90,6 +90,10 @@ class DatastoreInfo(BaseModel):
     bytes: int
     calibration: Calibration | None = None
     defaults: MixDefaults | None = None  # set by the registry from the config and the calibration
+    documents: int | None = None  # live documents (None: not recorded, a datastore built from keys)
+    forgotten: int = 0  # documents forgotten since the build or the last compact
+    last_add: str | None = None  # when documents were last added, and forgotten
+    last_forget: str | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -97,6 +101,7 @@ class DatastoreInfo(BaseModel):
 
     @classmethod
     def of(cls, name: str, path: Path, manifest: Manifest) -> DatastoreInfo:
+        starts = load_document_starts(Path(path), manifest)
         return cls(
             name=name,
             path=str(path),
@@ -108,6 +113,10 @@ class DatastoreInfo(BaseModel):
             fingerprint=manifest.model.fingerprint,
             bytes=sum(f.bytes for f in manifest.files()),
             calibration=manifest.calibration,
+            documents=None if starts is None else len(starts) - 1 - len(manifest.forgotten),
+            forgotten=len(manifest.forgotten),
+            last_add=manifest.additions[-1].at if manifest.additions else None,
+            last_forget=manifest.forgotten[-1].at if manifest.forgotten else None,
         )
 
 

@@ -6,8 +6,9 @@
     DELETE /v1/knn/datastores/{name}   unload
     GET    /v1/knn/health              every shard actor's status
 
-(The provenance routes, POST /v1/knn/explain and GET /v1/knn/documents/..., are attached here too;
-they are user routes behind vLLM's API key, not admin routes: server/explain.py.)
+(Attached here too: the admin routes that add and forget documents of a serving datastore,
+server/document_admin.py; and the provenance routes, POST /v1/knn/explain and
+GET /v1/knn/documents/..., user routes behind vLLM's API key, not admin routes: server/explain.py.)
 
 Every route needs the `X-Admin-Token` header (the admin token is not the inference API key).
 Names are 1-64 letters, digits, '-' and '_'. Paths are resolved (symlinks too) and must lie inside
@@ -22,25 +23,22 @@ worker between two steps.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
-from pathlib import Path
 
-from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict
 
-from knnlm_core.config import KeyType, datastore_name_problem
+from knnlm_core.config import KeyType
 from knnlm_core.errors import DatastoreError, ErrorKind, KnnlmError
 from knnlm_serve.app_state import published_registry
 from knnlm_serve.engine.vllm_adapter import ATTACH, SET_RUNTIME, WORKER_STATE
 from knnlm_serve.runtime import Runtime
+from knnlm_serve.server.admin_access import admin_registry, check_name, resolve_in_root
 from knnlm_serve.server.http_errors import STATUS, http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
 logger = logging.getLogger("knnlm_serve")
 
-ADMIN_TOKEN_ENV = "KNNLM_ADMIN_TOKEN"
 RPC_TIMEOUT_S = 60.0
 
 
@@ -55,37 +53,6 @@ class LoadRequest(BaseModel):
 class DefaultRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
-
-
-def admin_registry(request: Request, x_admin_token: str | None = Header(None)) -> DatastoreRegistry:
-    registry = getattr(request.app.state, "knnlm_registry", None)
-    if registry is None:
-        raise HTTPException(503, "kNN is not configured on this server (no knn.datastores)")
-    expected = registry.config.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
-    if not expected:
-        raise HTTPException(403, f"the admin API is disabled: set knn.admin_token or {ADMIN_TOKEN_ENV}")
-    if not x_admin_token or not hmac.compare_digest(x_admin_token.encode(), expected.encode()):
-        raise HTTPException(401, "missing or wrong X-Admin-Token header")
-    return registry
-
-
-def resolve_in_root(root: str | None, path: str) -> Path:
-    if root is None:
-        raise KnnlmError("loading datastores through the admin API is disabled: set knn.datastore_root", ErrorKind.FORBIDDEN)
-    if not path or any(not c.isprintable() for c in path):
-        raise KnnlmError(
-            f"path {path!r} is invalid: give a directory below knn.datastore_root, without control characters", ErrorKind.MALFORMED
-        )
-    root_dir = Path(root).expanduser().resolve()
-    candidate = (root_dir / path).resolve()
-    if not candidate.is_relative_to(root_dir):
-        raise KnnlmError(f"path {path!r} resolves outside the datastore root (knn.datastore_root)", ErrorKind.FORBIDDEN)
-    return candidate
-
-
-def check_name(name: str) -> None:
-    if problem := datastore_name_problem(name):
-        raise KnnlmError(f"name: {problem}", ErrorKind.MALFORMED)
 
 
 def _admin_call(registry: DatastoreRegistry, fn, *args, **kwargs):
@@ -170,10 +137,12 @@ class KnnAdminPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
+        from knnlm_serve.server.document_admin import router as document_router
         from knnlm_serve.server.explain import router as explain_router
         from knnlm_serve.server.knob_types import KnobTypesMiddleware
 
         app.include_router(router)
+        app.include_router(document_router)
         app.include_router(explain_router)
         app.add_middleware(KnobTypesMiddleware)
 

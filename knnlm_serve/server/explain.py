@@ -208,6 +208,9 @@ def explain_token(row: dict, token: int, logprob: float, top: int, width: int, t
     documents, read_to = provenance.locate(ids[order])
     neighbours = []
     for j, document, position in zip(order.tolist(), documents.tolist(), (read_to + 1).tolist()):
+        if document in provenance.forgotten:  # found by a request that began before the forget: nothing of it is shown
+            neighbours.append({"entry": int(ids[j]), "forgotten": True, "distance": float(distances[j]), "weight": float(weights[j])})
+            continue
         # `position`: the entry's value, the token that followed its context in the document
         before = provenance.tokens(document, position - width, position)
         after = provenance.tokens(document, position + 1, position + 1 + width)

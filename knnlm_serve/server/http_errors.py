@@ -10,6 +10,7 @@ STATUS = {
     ErrorKind.MALFORMED: 400,
     ErrorKind.INVALID: 422,
     ErrorKind.NOT_FOUND: 404,
+    ErrorKind.GONE: 410,
     ErrorKind.FORBIDDEN: 403,
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.BUSY: 429,

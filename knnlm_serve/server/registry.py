@@ -57,6 +57,7 @@ class DatastoreRegistry:
         self._versions: dict[str, int] = {}
         self._shard_pids = ShardPids()
         self._info_labels: set[tuple[str, ...]] = set()
+        self._hashed: dict[tuple, str] = {}  # file (device, inode, size, mtime) -> sha256, for versions sharing files
         self._lock = threading.RLock()
         threading.Thread(target=self._reap_forever, daemon=True, name="knnlm-reaper").start()
 
@@ -160,6 +161,10 @@ class DatastoreRegistry:
         return {"name": info.name, "version": info.version, "healthy": error is None, "error": error}
 
     # -- internals -------------------------------------------------------------------------------
+    def serving(self, name: str) -> DatastoreInfo:
+        with self._lock:
+            return self._get(name)
+
     def _get(self, name: str) -> DatastoreInfo:
         if name not in self.runtime.datastores:
             raise DatastoreError(f"no datastore named {name!r}; serving: {sorted(self.runtime.datastores)}", ErrorKind.NOT_FOUND)
@@ -167,7 +172,7 @@ class DatastoreRegistry:
 
     def _check(self, name: str, path: Path, key_type: KeyType | None) -> DatastoreInfo:
         info, manifest = check_datastore(name, path, self.model)
-        verify_checksums(info.path, manifest)
+        verify_checksums(info.path, manifest, self._hashed)
         check_served_files(Path(info.path), manifest)
         serving = self.runtime.datastores.get(name)
         expected = key_type or (serving.key_type if serving else None)
@@ -226,6 +231,8 @@ class DatastoreRegistry:
         self._info_labels = labels
         for info in datastores.values():
             metrics.DATASTORE_HEALTHY.labels(info.name).set(0 if info.key in self._unhealthy else 1)
+            if info.documents is not None:
+                metrics.DOCUMENTS.labels(info.name).set(info.documents)
 
     def _retire(self, info: DatastoreInfo) -> None:
         self._retired[info.key] = (info, time.monotonic())
