@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import shutil
-import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from run_record import run_record  # noqa: E402
 from wikitext import WIKITEXT, prepare_corpus, wikitext_text  # noqa: E402
 
 from index_builder.add import add_documents  # noqa: E402
@@ -104,11 +102,7 @@ def main() -> None:
     _, reload_s = timed(registry.load, "appended", args.work / "appended")
 
     report = {
-        "benchmark": "living_datastore",
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
-        "command": "benchmarks/living_datastore.py " + " ".join(sys.argv[1:]),
-        "machine": {"cpus": len(__import__("os").sched_getaffinity(0)), "platform": platform.platform()},
+        **run_record("living_datastore"),
         "corpus": {
             "source": "WikiText-2 valid.txt, one document per article",
             "articles": len(articles),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -138,6 +139,30 @@ def test_a_killed_add_leaves_the_datastore_byte_identical_and_a_rerun_completes(
     assert {p: h for p, h in digest(root).items() if p.startswith(("shard-000", "shard-001"))} == {
         p: h for p, h in before.items() if p.startswith(("shard-000", "shard-001"))
     }
+
+
+def test_a_killed_forget_leaves_the_datastore_byte_identical_and_a_rerun_completes(corpus, tiny_model_dir, tmp_path):
+    """SIGKILL as soon as the next version's work directory appears (retried on a fresh copy if
+    the forget finished first): the serving version is untouched, and the same command completes."""
+    base = build(corpus, tiny_model_dir, tmp_path / "base", keep_keys=True)
+    for attempt in range(10):
+        root = tmp_path / f"ds{attempt}"
+        shutil.copytree(base, root)
+        before = digest(root)
+        args = ["forget", str(root), "--document", "1"]
+        child = subprocess.Popen([sys.executable, "-m", "index_builder.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while child.poll() is None and not (tmp_path / f".ds{attempt}.partial").exists():
+            time.sleep(0.001)
+        killed = child.poll() is None
+        child.kill()
+        child.wait()
+        if killed:
+            break
+    assert killed, "every forget finished before it could be killed"
+    assert digest(root) == before
+    rerun = knnlm_index(*args)
+    assert rerun.returncode == 0, rerun.stderr
+    assert [r.document for r in read_manifest(root).forgotten] == [1]
 
 
 @pytest.mark.parametrize(

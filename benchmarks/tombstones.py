@@ -1,0 +1,147 @@
+"""Forgetting by tombstone against physical removal, and what tombstones cost a search: the
+measurements behind `knnlm-index forget`'s design and `compact`'s threshold.
+
+    .venv/bin/python benchmarks/tombstones.py          # ~15 min on 2 CPU cores, ~8 GB of /tmp
+
+Two synthetic stores of `--entries` keys (Gaussian, 576-d, SmolLM2's width) in 4 shards, one
+exact (flat) and one 4-bit fast-scan IVF-PQ (the `auto` index at this size), with documents of
+1,000 entries. For each, in one run:
+  * forget one document (`forget_documents`: values rewritten, manifest, atomic swap) against
+    removing its entries from its shard's index physically (FAISS `remove_ids`, the shard
+    written and hashed again, as a new version would need);
+  * one shard's search at batch 32, k 1024 (nprobe 32), with 0, 1, 5, 10, 30 and 50% of its
+    entries tombstoned, as a ratio to the same search without a mask (medians of interleaved
+    repeats).
+Writes benchmarks/results/tombstones.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import faiss  # noqa: E402
+from run_record import run_record  # noqa: E402
+
+from index_builder.build import build_from_keys, document_starts  # noqa: E402
+from index_builder.forget import forget_documents  # noqa: E402
+from knnlm_core.config import BuildConfig  # noqa: E402
+from knnlm_core.datastore import file_entry, read_manifest, write_manifest  # noqa: E402
+from knnlm_core.files import sha256_file  # noqa: E402
+from knnlm_core.manifest import ModelIdentity  # noqa: E402
+from knnlm_core.provenance import PROVENANCE, DocumentTable  # noqa: E402
+from knnlm_core.search import open_shards  # noqa: E402
+
+DIM, DOCUMENT = 576, 1000
+SHARES = (0.01, 0.05, 0.1, 0.3, 0.5)
+
+
+def with_documents(root: Path, entries: int) -> None:
+    """Give a store built from keys a document table: documents of DOCUMENT entries each."""
+    documents = entries // DOCUMENT
+    offsets = np.arange(documents + 1, dtype=np.int64) * (DOCUMENT + 1)
+    np.save(root / "documents.npy", document_starts(offsets))
+    origins = [(f"/synthetic/doc-{d:05d}.txt", None, None, f"{d:064x}") for d in range(documents)]
+    DocumentTable.of(origins, [0] * documents).write(root / PROVENANCE)
+    manifest = read_manifest(root)
+    write_manifest(
+        root,
+        manifest.model_copy(
+            update={"documents": file_entry(root, root / "documents.npy"), "provenance": file_entry(root, root / PROVENANCE)}
+        ),
+    )
+
+
+def physical_removal(root: Path, shard: str, lo: int, hi: int) -> float:
+    """Read one shard's index, remove ids [lo, hi) from it, write and hash it: seconds."""
+    started = time.monotonic()
+    index = faiss.read_index(str(root / shard / "index.faiss"))
+    removed = index.remove_ids(faiss.IDSelectorRange(lo, hi))
+    assert removed == hi - lo, removed
+    faiss.write_index(index, str(root / shard / "removed.faiss"))
+    sha256_file(root / shard / "removed.faiss")
+    seconds = time.monotonic() - started
+    (root / shard / "removed.faiss").unlink()
+    return seconds
+
+
+def search_costs(root: Path, repeats: int) -> dict:
+    (searcher,) = open_shards(root, read_manifest(root), use_gpu=False, names={"shard-000"})
+    rng = np.random.default_rng(1)
+    queries = rng.standard_normal((32, DIM)).astype(np.float32)
+    masks = {0.0: None}
+    for share in SHARES:
+        keep = np.ones(searcher.ntotal, dtype=bool)
+        keep[rng.choice(searcher.ntotal, int(share * searcher.ntotal), replace=False)] = False
+        masks[share] = keep
+    times = {share: [] for share in masks}
+    for _ in range(2):  # warm-up
+        searcher.search(queries, 1024, 32)
+    for _ in range(repeats):
+        for share, keep in masks.items():
+            searcher.keep = keep
+            started = time.perf_counter()
+            searcher.search(queries, 1024, 32)
+            times[share].append(time.perf_counter() - started)
+    base = np.median(times[0.0])
+    return {
+        "shard_entries": searcher.ntotal,
+        "unmasked_ms": round(1000 * base, 2),
+        "ratio_to_unmasked": {f"{share:g}": round(float(np.median(t) / base), 3) for share, t in times.items() if share},
+        "spread": {
+            f"{share:g}": [round(float(np.min(t) / base), 3), round(float(np.max(t) / base), 3)] for share, t in times.items() if share
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--entries", type=int, default=1_000_000)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-tombstones"))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tombstones.json")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    keys = np.lib.format.open_memmap(args.work / "keys.npy", mode="w+", dtype=np.float16, shape=(args.entries, DIM))
+    for start in range(0, args.entries, 100_000):
+        keys[start : start + 100_000] = rng.standard_normal((min(100_000, args.entries - start), DIM))
+    values = rng.integers(0, 49_152, args.entries).astype(np.int32)
+    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=DIM, vocab_size=49_152, dtype="float32")
+
+    report = {
+        **run_record("tombstones"),
+        "entries": args.entries,
+        "stores": {},
+    }
+    for name, factory in (("flat", "Flat"), ("fast_scan", "IVF1024,PQ144x4fs")):
+        root = args.work / name
+        config = BuildConfig(index=factory, shards=4, train_sample=65_536)
+        build_from_keys(keys, values, root, model, config, source="synthetic", overwrite=True, progress=False)
+        with_documents(root, args.entries)
+        document = 100  # in shard-000
+        lo, hi = document * DOCUMENT, (document + 1) * DOCUMENT
+        removal = physical_removal(root, "shard-000", lo, hi)
+        started = time.monotonic()
+        forget_documents(root, documents=[document])
+        forget = time.monotonic() - started
+        report["stores"][name] = {
+            "index": factory,
+            "forget_tombstone_s": round(forget, 3),
+            "physical_removal_one_shard_s": round(removal, 3),
+            "search_with_tombstones": search_costs(root, args.repeats),
+        }
+        print(name, json.dumps(report["stores"][name]), flush=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
