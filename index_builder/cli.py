@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO, format="knnlm-index: %(message)s")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # which SIMD build FAISS loaded is no news
     try:
         if args.command == "build":
             from index_builder.build import build_datastore

@@ -187,6 +187,8 @@ def _run_add(jobs: DocumentJobs, job: Job, registry: DatastoreRegistry, path: st
             raise KnnlmError(errors or f"knnlm-index add exited with status {child.returncode}")
         job.record = json.loads(child.stdout.read())
         job.progress = "loading the new version"
+        if registry.serving(job.datastore).path != path:
+            raise KnnlmError(f"datastore {job.datastore!r} was swapped to another directory meanwhile: the new version is not loaded")
         job.version = registry.load(job.datastore, path).version
         job.progress = "serving"
     except Exception as e:  # noqa: BLE001 - a job reports its failure; the serving version is untouched
