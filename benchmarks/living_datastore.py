@@ -76,7 +76,7 @@ def main() -> None:
     articles = split_articles(wikitext_text(WIKITEXT / "valid.txt"), args.work / "articles")
     sizes = [f.stat().st_size for f in articles]
     cut, total = len(articles), sum(sizes)
-    while cut > 1 and sum(sizes[cut - 1 :]) < args.new_share * total:
+    while cut > 1 and sum(sizes[cut:]) < args.new_share * total:
         cut -= 1
     (args.work / "base-corpus").mkdir()
     (args.work / "new-corpus").mkdir()
