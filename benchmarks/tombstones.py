@@ -6,9 +6,10 @@ measurements behind `knnlm-index forget`'s design and `compact`'s threshold.
 Two synthetic stores of `--entries` keys (Gaussian, 576-d, SmolLM2's width) in 4 shards, one
 exact (flat) and one 4-bit fast-scan IVF-PQ (the `auto` index at this size), with documents of
 1,000 entries. For each, in one run:
-  * forget one document (`forget_documents`: values rewritten, manifest, atomic swap) against
-    removing its entries from its shard's index physically (FAISS `remove_ids`, the shard
-    written and hashed again, as a new version would need);
+  * forget one document (`forget_documents`: values rewritten, manifest, atomic swap) and load
+    the new version as a server does (`DatastoreRegistry.load`: checks, hashing the files it has
+    not hashed, opening the shards in-process, a probe), against removing its entries from its
+    shard's index physically (FAISS `remove_ids`, the shard written and hashed again);
   * one shard's search at batch 32, k 1024 (nprobe 32), with 0, 1, 5, 10, 30 and 50% of its
     entries tombstoned, as a ratio to the same search without a mask (medians of interleaved
     repeats).
@@ -33,12 +34,14 @@ from run_record import run_record  # noqa: E402
 
 from index_builder.build import build_from_keys, document_starts  # noqa: E402
 from index_builder.forget import forget_documents  # noqa: E402
-from knnlm_core.config import BuildConfig  # noqa: E402
+from knnlm_core.config import BuildConfig, KnnConfig  # noqa: E402
 from knnlm_core.datastore import file_entry, read_manifest, write_manifest  # noqa: E402
 from knnlm_core.files import sha256_file  # noqa: E402
 from knnlm_core.manifest import ModelIdentity  # noqa: E402
 from knnlm_core.provenance import PROVENANCE, DocumentTable  # noqa: E402
 from knnlm_core.search import open_shards  # noqa: E402
+from knnlm_serve.runtime import ServedModel  # noqa: E402
+from knnlm_serve.server.registry import DatastoreRegistry  # noqa: E402
 
 DIM, DOCUMENT = 576, 1000
 SHARES = (0.01, 0.05, 0.1, 0.3, 0.5)
@@ -71,6 +74,12 @@ def physical_removal(root: Path, shard: str, lo: int, hi: int) -> float:
     seconds = time.monotonic() - started
     (root / shard / "removed.faiss").unlink()
     return seconds
+
+
+def timed(fn, *args, **kwargs) -> float:
+    started = time.monotonic()
+    fn(*args, **kwargs)
+    return round(time.monotonic() - started, 3)
 
 
 def search_costs(root: Path, repeats: int) -> dict:
@@ -116,6 +125,7 @@ def main() -> None:
         keys[start : start + 100_000] = rng.standard_normal((min(100_000, args.entries - start), DIM))
     values = rng.integers(0, 49_152, args.entries).astype(np.int32)
     model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=DIM, vocab_size=49_152, dtype="float32")
+    served = ServedModel(Path("synthetic"), "LlamaForCausalLM", "-", DIM, True)
 
     report = {
         **run_record("tombstones"),
@@ -127,15 +137,18 @@ def main() -> None:
         config = BuildConfig(index=factory, shards=4, train_sample=65_536)
         build_from_keys(keys, values, root, model, config, source="synthetic", overwrite=True, progress=False)
         with_documents(root, args.entries)
-        document = 100  # in shard-000
+        document = args.entries // DOCUMENT // 10  # in shard-000 (the first quarter)
         lo, hi = document * DOCUMENT, (document + 1) * DOCUMENT
         removal = physical_removal(root, "shard-000", lo, hi)
-        started = time.monotonic()
-        forget_documents(root, documents=[document])
-        forget = time.monotonic() - started
+        registry = DatastoreRegistry(KnnConfig(backend="local"), served, None)
+        first_load = timed(registry.load, name, root)
+        forget = timed(forget_documents, root, documents=[document])
+        reload = timed(registry.load, name, root)
         report["stores"][name] = {
             "index": factory,
-            "forget_tombstone_s": round(forget, 3),
+            "forget_tombstone_s": forget,
+            "load_s": {"first": first_load, "after_forget": reload},
+            "forget_to_serving_s": round(forget + reload, 3),
             "physical_removal_one_shard_s": round(removal, 3),
             "search_with_tombstones": search_costs(root, args.repeats),
         }
