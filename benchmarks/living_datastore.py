@@ -136,7 +136,7 @@ def main() -> None:
             "appended_over_rebuilt": round(best["appended"]["report_ppl"] / best["rebuilt"]["report_ppl"], 5),
         },
     }
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.write_text(json.dumps(report, indent=1).replace(f"{args.work}/", "") + "\n")  # no machine paths
     print(json.dumps({k: report[k] for k in ("entries", "seconds", "add_over_rebuild", "perplexity")}, indent=1, default=str)[:3000])
 
 

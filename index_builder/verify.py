@@ -11,6 +11,7 @@ from knnlm_core.datastore import read_manifest, verify_checksums
 from knnlm_core.manifest import Manifest
 from knnlm_core.provenance import Provenance
 from knnlm_core.search import ShardSearcher, merge_topk, open_shards
+from knnlm_core.tombstones import forgotten_share
 
 
 def inspect_datastore(path: str | Path, checksums: bool = True) -> Manifest:
@@ -25,7 +26,8 @@ def provenance_summary(root: Path, manifest: Manifest) -> str:
     if manifest.provenance is None:
         return "no provenance: serves, but cannot explain its neighbours (rebuild with knnlm-index build)"
     table = Provenance.open(root, manifest).table  # checks documents.npy, values and the table against each other
-    return f"provenance: {len(table):,} documents from {len(table.sources):,} source file(s) under {table.root}"
+    forgotten = f" ({len(manifest.forgotten):,} forgotten, {forgotten_share(manifest):.2%} of the entries)" if manifest.forgotten else ""
+    return f"provenance: {len(table):,} documents{forgotten} from {len(table.sources):,} source file(s) under {table.root}"
 
 
 def stored_keys(root: Path, manifest: Manifest, shard_number: int, searcher: ShardSearcher, ids: np.ndarray) -> np.ndarray:

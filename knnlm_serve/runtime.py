@@ -18,6 +18,7 @@ from knnlm_core.errors import DatastoreError
 from knnlm_core.keys import no_ffn_input_error, supports_ffn_input
 from knnlm_core.manifest import Calibration, Manifest, served_nprobe
 from knnlm_core.model_dir import architecture_of, hidden_size_of, model_fingerprint
+from knnlm_core.tombstones import forgotten_share
 
 
 class MixDefaults(BaseModel):
@@ -92,6 +93,7 @@ class DatastoreInfo(BaseModel):
     defaults: MixDefaults | None = None  # set by the registry from the config and the calibration
     documents: int | None = None  # live documents (None: not recorded, a datastore built from keys)
     forgotten: int = 0  # documents forgotten since the build or the last compact
+    tombstone_share: float = 0.0  # the share of entries they hold (knnlm-index compact removes them)
     last_add: str | None = None  # when documents were last added, and forgotten
     last_forget: str | None = None
 
@@ -115,6 +117,7 @@ class DatastoreInfo(BaseModel):
             calibration=manifest.calibration,
             documents=None if starts is None else len(starts) - 1 - len(manifest.forgotten),
             forgotten=len(manifest.forgotten),
+            tombstone_share=round(forgotten_share(manifest), 6),
             last_add=manifest.additions[-1].at if manifest.additions else None,
             last_forget=manifest.forgotten[-1].at if manifest.forgotten else None,
         )

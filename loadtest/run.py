@@ -180,7 +180,7 @@ def main() -> None:
         "runs": runs,
         "on_off_ratios": ratios,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.json").write_text(json.dumps(report, indent=2).replace(str(Path.home()), "~"))  # no machine paths
     (out / "report.md").write_text(markdown(report))
     plots(runs, out)
     print(markdown(report))

@@ -108,6 +108,7 @@ def test_an_added_fact_is_served_and_explained_then_forgotten_on_every_path(serv
 
     gone = listed(server, name)
     assert gone["documents"] == before["documents"] and gone["forgotten"] == 1 and gone["last_forget"] is not None
+    assert gone["tombstone_share"] == pytest.approx(job["record"]["entries"] / gone["entries"], abs=1e-6)
     for pointers in (0, 1):
         assert answer(server, ids, name, knn_pointers=pointers) != ids["fact"]
     scored = explained(server, name, completion=FACT[len(PREFIX) :])  # every step's neighbours, all k of them
