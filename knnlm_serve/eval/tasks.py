@@ -1,0 +1,143 @@
+"""`knnlm-eval tasks`: does kNN help on the user's own task? Items (prompt, answer) are scored
+through a running server's OpenAI API, with kNN off, with the served defaults, and with any set of
+knobs, and each setting is paired with kNN off item by item.
+
+Per item and setting: the answer's log-probability given the prompt (one echo request over
+prompt + answer) and greedy exact match (a completion of the answer's length). With `chat`, the
+prompt is the user's message in the model's chat template and the answer the assistant's reply.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from knnlm_serve.eval.task_items import TaskItem, TokenizedItem, tokenize_item
+
+logger = logging.getLogger("knnlm_serve")
+
+TIE = 1e-4  # nats: log-probabilities closer than this are a tie
+
+
+@dataclass(frozen=True)
+class ItemScore:
+    logprob: float  # of the answer's tokens given the prompt
+    exact: bool  # greedy decoding gives the answer's tokens
+
+
+def tokenize_items(tokenizer, items: list[TaskItem], chat: bool) -> tuple[list[TokenizedItem], list[TaskItem]]:
+    """The items that tokenize cleanly, and those skipped (their prompt/answer boundary falls inside a token)."""
+    kept, skipped = [], []
+    for item in items:
+        tokenized = _chat_item(tokenizer, item) if chat else tokenize_item(tokenizer, item)
+        (kept.append(tokenized) if tokenized else skipped.append(item))
+    return kept, skipped
+
+
+def _chat_item(tokenizer, item: TaskItem) -> TokenizedItem | None:
+    """The user's message in the chat template, then the reply: its tokens stand alone after the template's header."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}], add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(text, add_special_tokens=False).input_ids  # the template carries its own special tokens
+    answer_ids = tokenizer(item.answer, add_special_tokens=False).input_ids
+    if not answer_ids or tokenizer.decode(answer_ids) != item.answer:
+        return None
+    return TokenizedItem(item, list(prompt_ids), list(answer_ids))
+
+
+def score(client, model: str, item: TokenizedItem, xargs: dict) -> ItemScore:
+    body = {"vllm_xargs": xargs}
+    echoed = client.completions.create(
+        model=model, prompt=item.prompt_ids + item.answer_ids, max_tokens=1, temperature=0, echo=True, logprobs=1, extra_body=body
+    )
+    scored = echoed.choices[0].logprobs.token_logprobs[len(item.prompt_ids) : len(item.prompt_ids) + len(item.answer_ids)]
+    greedy = client.completions.create(
+        model=model,
+        prompt=item.prompt_ids,
+        max_tokens=len(item.answer_ids),
+        temperature=0,
+        extra_body={**body, "return_token_ids": True},
+    )
+    return ItemScore(float(sum(scored)), list(greedy.choices[0].token_ids) == item.answer_ids)
+
+
+def compare(scores: dict[str, dict[str, ItemScore]], kinds: dict[str, str]) -> dict:
+    """Per setting and kind (and `all`): items, exact-match rate, mean answer log-probability, and
+    against kNN off, paired per item: log-probability wins / ties / losses, exact matches gained / lost."""
+    off = scores["off"]
+    out = {}
+    for setting, by_item in scores.items():
+        for kind in sorted(set(kinds.values())) + ["all"]:
+            ids = [i for i in by_item if kind == "all" or kinds[i] == kind]
+            if not ids:
+                continue
+            delta = [by_item[i].logprob - off[i].logprob for i in ids]
+            out.setdefault(setting, {})[kind] = {
+                "items": len(ids),
+                "exact_match": sum(by_item[i].exact for i in ids) / len(ids),
+                "mean_logprob": sum(by_item[i].logprob for i in ids) / len(ids),
+                "vs_off": {
+                    "wins": sum(d > TIE for d in delta),
+                    "ties": sum(abs(d) <= TIE for d in delta),
+                    "losses": sum(d < -TIE for d in delta),
+                    "exact_gained": sum(by_item[i].exact and not off[i].exact for i in ids),
+                    "exact_lost": sum(off[i].exact and not by_item[i].exact for i in ids),
+                    "mean_logprob_gain": sum(delta) / len(ids),
+                },
+            }
+    return out
+
+
+def markdown(summary: dict, skipped: int) -> str:
+    rows = [
+        "| setting | kind | items | exact match | mean log p(answer) | vs kNN off: wins / ties / losses | exact gained / lost |",
+        "|---|---|---:|---:|---:|---|---|",
+    ]
+    for setting, kinds in summary.items():
+        for kind, s in kinds.items():
+            v = s["vs_off"]
+            rows.append(
+                f"| {setting} | {kind} | {s['items']} | {s['exact_match']:.1%} | {s['mean_logprob']:.3f} | "
+                f"{v['wins']} / {v['ties']} / {v['losses']} | {v['exact_gained']} / {v['exact_lost']} |"
+            )
+    rows.append(f"\n{skipped} item(s) skipped: their prompt/answer boundary does not tokenize cleanly.")
+    return "\n".join(rows)
+
+
+def run_tasks(items: list[TaskItem], client, model: str, tokenizer, settings: dict[str, dict], chat: bool = False) -> dict:
+    """Score every item under each setting (`off` is added: kNN off); the report's JSON."""
+    kept, skipped = tokenize_items(tokenizer, items, chat)
+    settings = {"off": {"knn": False}, **settings}
+    scores = {name: {} for name in settings}
+    for n, item in enumerate(kept, start=1):
+        for name, xargs in settings.items():
+            scores[name][item.item.id] = score(client, model, item, xargs)
+        if n % 25 == 0 or n == len(kept):
+            logger.info("scored %d of %d items", n, len(kept))
+    kinds = {t.item.id: t.item.kind for t in kept}
+    return {
+        "settings": settings,
+        "chat": chat,
+        "skipped": [{"id": i.id, "line": i.line} for i in skipped],
+        "summary": compare(scores, kinds),
+        "items": [{"id": t.item.id, "kind": t.item.kind, **{name: vars(scores[name][t.item.id]) for name in settings}} for t in kept],
+    }
+
+
+def plot(summary: dict, path) -> None:
+    """Exact match per kind, one bar per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(next(iter(summary.values())))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(kinds), 3.2))
+    width = 0.8 / len(summary)
+    for n, (setting, by_kind) in enumerate(summary.items()):
+        ax.bar([k + n * width for k in range(len(kinds))], [by_kind[k]["exact_match"] for k in kinds], width, label=setting)
+    ax.set_xticks([k + width * (len(summary) - 1) / 2 for k in range(len(kinds))], kinds)
+    ax.set_ylabel("greedy exact match")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
