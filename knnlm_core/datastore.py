@@ -4,6 +4,9 @@
     <datastore>/shard-000/index.faiss    FAISS index over this shard's keys (ids 0..n-1)
     <datastore>/shard-000/values.npy     int32 next-token ids, values[i] belongs to index id i
     <datastore>/shard-000/keys.npy       optional fp16 keys, for exact re-scoring / verification
+    <datastore>/quantizer.faiss          the trained index with no entries, every shard a copy of it
+                                         (`knnlm-index add` fills new shards from it). Absent in
+                                         datastores built before it was kept.
     <datastore>/documents.npy            int64 [documents + 1]: where each document's entries begin
                                          (entries are in corpus order, shards contiguous: entry i's
                                          successor i + 1 is the next position of the same document
@@ -13,6 +16,9 @@
                                          token and text checksum (knnlm_core/provenance.py).
                                          Absent where documents.npy is, and in older datastores:
                                          they serve, but cannot explain.
+
+The manifest also records what `knnlm-index add`, `forget` and `compact` did (`additions`,
+`forgotten`: the tombstones every search leaves out, `compactions`).
 
 Only JSON and plain `.npy` arrays are read (`allow_pickle=False`): a datastore is data, never code.
 """
