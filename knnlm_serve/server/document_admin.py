@@ -100,10 +100,14 @@ class DocumentJobs:
 router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"])
 
 
+_JOBS_LOCK = threading.Lock()
+
+
 def _jobs(request: Request) -> DocumentJobs:
     state = request.app.state
-    if not hasattr(state, "knnlm_document_jobs"):
-        state.knnlm_document_jobs = DocumentJobs()
+    with _JOBS_LOCK:  # route handlers run in a thread pool: two first requests must share one
+        if not hasattr(state, "knnlm_document_jobs"):
+            state.knnlm_document_jobs = DocumentJobs()
     return state.knnlm_document_jobs
 
 
