@@ -23,11 +23,11 @@ import numpy as np
 
 from index_builder.build import document_starts, encode_keys, tokenize_corpus
 from index_builder.shards import add_shards
-from index_builder.versions import link_version, prepare_workdir, publish, replace_array, workdir
+from index_builder.versions import link_version, prepare_workdir, publish, read_with_documents, replace_array, workdir
 from knnlm_core.config import BuildConfig
 from knnlm_core.corpus import find_files
-from knnlm_core.datastore import check_compatible, file_entry, load_document_starts, read_manifest, write_manifest
-from knnlm_core.errors import CorpusError, DatastoreError
+from knnlm_core.datastore import check_compatible, file_entry, load_document_starts, write_manifest
+from knnlm_core.errors import CorpusError
 from knnlm_core.files import write_json_atomic
 from knnlm_core.keys import KeyEncoder
 from knnlm_core.manifest import MANIFEST, QUANTIZER, AddRecord, Manifest
@@ -52,13 +52,7 @@ def add_documents(
 ) -> tuple[Manifest, AddRecord]:
     """Publish the datastore at `path` with the documents of `inputs` added; the new manifest and its record."""
     started = time.monotonic()
-    root = Path(path).resolve()
-    manifest = read_manifest(root)
-    if manifest.documents is None or manifest.provenance is None:
-        raise DatastoreError(
-            f"datastore {root.name} records no documents (built from keys, or before knnlm-index recorded them): "
-            "documents cannot be added to it; rebuild it with `knnlm-index build`"
-        )
+    root, manifest = read_with_documents(path, "take new documents")
     check_compatible(manifest, fingerprint=model_fingerprint(model_dir), where=f"datastore {root.name}")
     files = find_files(inputs)
     keep_keys = manifest.shards[0].keys is not None

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from index_builder.versions import link_version, prepare_workdir, publish, replace_array, workdir
-from knnlm_core.datastore import file_entry, load_document_starts, read_manifest, write_manifest
+from index_builder.versions import link_version, prepare_workdir, publish, read_with_documents, replace_array, workdir
+from knnlm_core.datastore import file_entry, load_document_starts, write_manifest
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.manifest import ForgetRecord, Manifest
 from knnlm_core.provenance import PROVENANCE, DocumentTable
@@ -63,13 +63,7 @@ def forget_documents(
 ) -> tuple[Manifest, list[ForgetRecord]]:
     """Publish the datastore at `path` without the named documents; the new manifest and its new audit records."""
     started = time.monotonic()
-    root = Path(path).resolve()
-    manifest = read_manifest(root)
-    if manifest.documents is None or manifest.provenance is None:
-        raise DatastoreError(
-            f"datastore {root.name} records no documents (built from keys, or before knnlm-index recorded them): "
-            "there is nothing to forget by; rebuild it with `knnlm-index build`"
-        )
+    root, manifest = read_with_documents(path, "forget documents")
     table = DocumentTable.read(root / manifest.provenance.path, manifest.model.vocab_size)
     starts = load_document_starts(root, manifest)
     chosen = find_documents(table, documents=documents, sources=sources, ids=ids)

@@ -20,12 +20,26 @@ from pathlib import Path
 
 import numpy as np
 
+from knnlm_core.datastore import read_manifest
+from knnlm_core.errors import DatastoreError
 from knnlm_core.files import write_json_atomic
 from knnlm_core.manifest import MANIFEST, Manifest
 
 logger = logging.getLogger("index_builder")
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def read_with_documents(path: str | Path, job: str) -> tuple[Path, Manifest]:
+    """The datastore at `path` and its manifest, refused if it records no documents to `job` by."""
+    root = Path(path).resolve()
+    manifest = read_manifest(root)
+    if manifest.documents is None or manifest.provenance is None:
+        raise DatastoreError(
+            f"datastore {root.name} records no documents (built from keys, or before knnlm-index recorded them), "
+            f"so it cannot {job}; rebuild it with `knnlm-index build`"
+        )
+    return root, manifest
 
 
 def workdir(output: Path) -> Path:
