@@ -2,9 +2,13 @@
 appended store serves.
 
     .venv/bin/python benchmarks/living_datastore.py        # WikiText-2 valid, ~45 min on 2 CPU cores
+    .venv/bin/python benchmarks/corpus_1m.py --out /tmp/corpus1m
+    .venv/bin/python benchmarks/living_datastore.py --bible /tmp/corpus1m \
+        --out benchmarks/results/living_datastore_1m.json  # ~1.07M entries, ~90 min
 
 WikiText-2 valid is split into its articles (one document each, un-escaped as the other
-benchmarks read it). In one run:
+benchmarks read it); `--bible` appends the King James books of `corpus_1m.py`, one document per
+chapter, so that the added share can be close to `--new-share`. In one run:
   * base: a store over every article but the last `--new-share` of the text (no calibration, so
     every article is indexed and the two stores below hold exactly the same entries);
   * add: the remaining articles added to a copy of it (wall time, the encode reported apart);
@@ -56,6 +60,16 @@ def split_articles(text: str, out: Path) -> list[Path]:
     return files
 
 
+def split_chapters(books: Path, out: Path) -> list[Path]:
+    """One file per chapter of each book `corpus_1m.py` wrote (chapters are its paragraphs), in order."""
+    files = []
+    for book in sorted(books.glob("*.txt")):
+        for i, chapter in enumerate(book.read_text(encoding="utf-8").split("\n\n")):
+            files.append(out / f"{book.stem}-{i + 1:03d}.txt")
+            files[-1].write_text(chapter.strip() + "\n", encoding="utf-8")
+    return files
+
+
 def timed(fn, *args, **kwargs):
     started = time.monotonic()
     result = fn(*args, **kwargs)
@@ -67,20 +81,23 @@ def main() -> None:
     parser.add_argument("--new-share", type=float, default=0.01, help="share of the text added to the base store")
     parser.add_argument("--stride", type=int, default=480, help="build and eval stride (context 512)")
     parser.add_argument("--test-chars", type=int, default=100_000, help="WikiText-2 test prefix to evaluate")
+    parser.add_argument("--bible", type=Path, help="a corpus_1m.py output directory: add its kjv/ books after the articles")
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-living"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/living_datastore.json")
     args = parser.parse_args()
 
     model_dir = prepare_default_model()
     shutil.rmtree(args.work, ignore_errors=True)
-    articles = split_articles(wikitext_text(WIKITEXT / "valid.txt"), args.work / "articles")
-    sizes = [f.stat().st_size for f in articles]
-    cut, total = len(articles), sum(sizes)
+    documents = split_articles(wikitext_text(WIKITEXT / "valid.txt"), args.work / "documents")
+    if args.bible:
+        documents += split_chapters(args.bible / "kjv", args.work / "documents")
+    sizes = [f.stat().st_size for f in documents]
+    cut, total = len(documents), sum(sizes)
     while cut > 1 and sum(sizes[cut:]) < args.new_share * total:
         cut -= 1
     (args.work / "base-corpus").mkdir()
     (args.work / "new-corpus").mkdir()
-    for i, f in enumerate(articles):
+    for i, f in enumerate(documents):
         shutil.copy(f, args.work / ("base-corpus" if i < cut else "new-corpus") / f.name)
     config = BuildConfig(stride=args.stride, calibrate=False, index="ivfpq")
 
@@ -104,9 +121,10 @@ def main() -> None:
     report = {
         **run_record("living_datastore"),
         "corpus": {
-            "source": "WikiText-2 valid.txt, one document per article",
-            "articles": len(articles),
-            "new_articles": len(articles) - cut,
+            "source": "WikiText-2 valid.txt, one document per article"
+            + (", then the King James Bible of corpus_1m.py, one document per chapter" if args.bible else ""),
+            "documents": len(documents),
+            "new_documents": len(documents) - cut,
         },
         "build_config": config.model_dump(mode="json"),
         "entries": {"base": base.entries, "added": record.entries, "appended": appended.entries, "rebuilt": rebuilt.entries},
