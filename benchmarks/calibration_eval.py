@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from wikitext import WIKITEXT, prepare_corpus
 
 from index_builder.build import build_datastore
-from index_builder.default_datastore import stdlib_documents
+from index_builder.default_datastore import module_documents
 from knnlm_core.config import BuildConfig, EvalConfig
 from knnlm_core.datastore import read_manifest
 from knnlm_core.default_model import prepare_default_model
@@ -90,7 +90,7 @@ def wikitext_inputs(work: Path) -> tuple[Path, Path]:
 def pydocs_inputs(work: Path) -> tuple[Path, Path]:
     for name, modules in (("pydocs-index", PYDOCS_INDEX), ("pydocs-heldout", PYDOCS_HELDOUT)):
         (work / name).mkdir(parents=True, exist_ok=True)
-        for module, text in stdlib_documents(modules).items():
+        for module, text in module_documents(modules).items():
             (work / name / f"{module}.txt").write_text(text)
     return work / "pydocs-index", work / "pydocs-heldout"
 

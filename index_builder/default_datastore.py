@@ -40,7 +40,9 @@ MODULES = (
 RECIPE = 6  # bumped when what the build stores changes (2: the skip rule; 3: documents.npy and the pointer rule; 4: provenance; 5: k chosen for cost; 6: pointer rule replayed at the served k)
 
 
-def stdlib_documents(modules=MODULES) -> dict[str, str]:
+def module_documents(modules=MODULES) -> dict[str, str]:
+    """Each importable module's documentation as one text: its docstring, then `module.name` and the
+    docstring of every public class and function it defines."""
     documents = {}
     for name in modules:
         module = importlib.import_module(name)
@@ -61,7 +63,7 @@ def prepare_default_datastore(model_dir: Path) -> Path:
         return out
     logger.info("building the default datastore (Python standard-library docs) at %s", out)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, text in stdlib_documents().items():
+        for name, text in module_documents().items():
             (Path(tmp) / f"{name}.txt").write_text(text)
         build_datastore([tmp], out, model_dir, BuildConfig(index="flat"))
     return out

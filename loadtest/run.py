@@ -42,9 +42,9 @@ def prompts_file(path: Path, count: int, words: int) -> str:
         text = wikitext_text(WIKITEXT / "test.txt")
         source = "wikitext-2 test"
     else:
-        from index_builder.default_datastore import stdlib_documents
+        from index_builder.default_datastore import module_documents
 
-        text, source = "\n".join(stdlib_documents().values()), "python stdlib docs"
+        text, source = "\n".join(module_documents().values()), "python stdlib docs"
     tokens = [w for w in text.split() if not w.startswith("=")]
     with open(path, "w") as f:
         for i in range(count):

@@ -16,7 +16,7 @@ import requests
 from conftest import STRICT_KNN, TINY_SERVER, prompt_logprobs
 
 from index_builder.build import build_datastore
-from index_builder.default_datastore import stdlib_documents
+from index_builder.default_datastore import module_documents
 from knnlm_core.calibration import cheapest_k, fit_skip, narrowest_nprobe, perplexity
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import read_manifest, write_manifest
@@ -34,7 +34,7 @@ OTHER = ("bisect", "textwrap", "shlex", "csv")
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("cal-corpus")
-    docs = stdlib_documents(INDEXED + OTHER)
+    docs = module_documents(INDEXED + OTHER)
     for name in INDEXED:
         (root / "indexed").mkdir(exist_ok=True)
         (root / "indexed" / f"{name}.txt").write_text(docs[name])

@@ -10,6 +10,7 @@ prompt is the user's message in the model's chat template and the answer the ass
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from knnlm_serve.eval.task_items import TaskItem, TokenizedItem, tokenize_item
@@ -103,16 +104,23 @@ def markdown(summary: dict, skipped: int) -> str:
     return "\n".join(rows)
 
 
-def run_tasks(items: list[TaskItem], client, model: str, tokenizer, settings: dict[str, dict], chat: bool = False) -> dict:
-    """Score every item under each setting (`off` is added: kNN off); the report's JSON."""
+def run_tasks(
+    items: list[TaskItem], client, model: str, tokenizer, settings: dict[str, dict], chat: bool = False, concurrency: int = 8
+) -> dict:
+    """Score every item under each setting (`off` is added: kNN off), `concurrency` requests at a
+    time so that the server batches them; the report's JSON."""
     kept, skipped = tokenize_items(tokenizer, items, chat)
     settings = {"off": {"knn": False}, **settings}
     scores = {name: {} for name in settings}
-    for n, item in enumerate(kept, start=1):
-        for name, xargs in settings.items():
-            scores[name][item.item.id] = score(client, model, item, xargs)
-        if n % 25 == 0 or n == len(kept):
-            logger.info("scored %d of %d items", n, len(kept))
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = {
+            pool.submit(score, client, model, item, xargs): (name, item.item.id) for item in kept for name, xargs in settings.items()
+        }
+        for done, future in enumerate(as_completed(futures), start=1):
+            name, item_id = futures[future]
+            scores[name][item_id] = future.result()
+            if done % (25 * len(settings)) == 0 or done == len(futures):
+                logger.info("scored %d of %d items", done // len(settings), len(kept))
     kinds = {t.item.id: t.item.kind for t in kept}
     return {
         "settings": settings,

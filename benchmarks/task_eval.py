@@ -1,0 +1,164 @@
+"""Does kNN help on a task? "Which name does this?" from documentation, asked in three forms, on
+two corpora, with kNN off, with the served (calibrated) defaults, and with a stronger λ.
+
+    .venv/bin/python benchmarks/task_eval.py          # ~1 h on 2 CPU cores (one build, two servers)
+
+Corpora (each: documents in the datastore, and control documents kept out of it):
+  * pydocs: the embedded default datastore (`make serve`'s; the standard-library modules of
+    index_builder.default_datastore.MODULES); control: other standard-library modules.
+  * networkx: docstrings of the `networkx` package's algorithms (PyPI; in the same layout), a
+    datastore built with `knnlm-index build` defaults (calibrated); control: every fifth module.
+For each: `knnlm-eval items` writes the items, a server (configs/default.yaml, serving that
+datastore) answers `knnlm-eval tasks`. Writes benchmarks/results/task_eval/<corpus>/tasks.*,
+benchmarks/results/task_eval.json and task_eval.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from run_record import run_record
+
+from index_builder.build import build_datastore
+from index_builder.default_datastore import MODULES, module_documents, prepare_default_datastore
+from knnlm_core.config import BuildConfig
+from knnlm_core.default_model import prepare_default_model
+from knnlm_serve.server.process import RunningServer
+
+STDLIB_CONTROL = (
+    "difflib",
+    "shutil",
+    "calendar",
+    "string",
+    "random",
+    "tempfile",
+    "glob",
+    "fnmatch",
+    "pprint",
+    "copy",
+    "ipaddress",
+    "gettext",
+)
+NETWORKX_STORE_CHARS = 480_000  # about 120k tokens, the size of the issue's library-docs store
+
+
+def write_documents(modules, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in module_documents(modules).items():
+        (out / f"{name}.txt").write_text(text)
+    return out
+
+
+def networkx_modules() -> tuple[list[str], list[str]]:
+    """(stored, control): networkx.algorithms modules in name order, every fifth one the control;
+    the stored ones until their text reaches NETWORKX_STORE_CHARS."""
+    import networkx
+
+    names = sorted(m.name for m in pkgutil.walk_packages(networkx.algorithms.__path__, "networkx.algorithms.") if ".tests" not in m.name)
+    documented = [n for n in names if module_documents((n,))[n].count("\n\nnetworkx.") >= 2]
+    control = documented[4::5]
+    stored, chars = [], 0
+    for name in (n for n in documented if n not in control):
+        if chars >= NETWORKX_STORE_CHARS:
+            break
+        stored.append(name)
+        chars += len(module_documents((name,))[name])
+    return stored, control
+
+
+def knnlm_eval(*args) -> None:
+    subprocess.run([sys.executable, "-m", "knnlm_serve.eval.cli", *map(str, args)], check=True)
+
+
+def evaluate_corpus(name: str, datastore: Path, docs: Path, control: Path, work: Path, out: Path, strong: float) -> dict:
+    items = work / f"{name}-items.jsonl"
+    knnlm_eval("items", docs, "--control", control, "--limit", 150, "--control-limit", 50, "-o", items)
+    config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
+    config["knn"]["datastores"] = {name: str(datastore)}
+    config.pop("port")
+    (work / name).mkdir(exist_ok=True)
+    with RunningServer(config, work / name) as server:
+        knnlm_eval("tasks", items, "--base-url", server.base_url, "--set", f"strong:knn_lambda={strong}", "-o", out / name)
+    return json.loads((out / name / "tasks.json").read_text())
+
+
+def plot(reports: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(reports), figsize=(6.2 * len(reports), 3.6), sharey=True)
+    for ax, (corpus, report) in zip(axes, reports.items()):
+        summary = report["summary"]
+        kinds = [k for k in summary["off"] if k != "all"]
+        width = 0.8 / len(summary)
+        for n, (setting, by_kind) in enumerate(summary.items()):
+            ax.bar([k + n * width for k in range(len(kinds))], [by_kind[k]["exact_match"] for k in kinds], width, label=setting)
+        ax.set_xticks([k + width * (len(summary) - 1) / 2 for k in range(len(kinds))], kinds, rotation=25, ha="right", fontsize=8)
+        ax.set_title(f"{corpus} ({report['datastore_entries']:,} entries)")
+    axes[0].set_ylabel("greedy exact match")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--strong", type=float, default=0.5, help="λ of the stronger setting")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-task-eval"))
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/task_eval")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    model_dir = prepare_default_model()
+    corpora = {"pydocs": (prepare_default_datastore(model_dir), write_documents(MODULES, args.work / "pydocs-docs"))}
+    corpora["pydocs"] += (write_documents(STDLIB_CONTROL, args.work / "pydocs-control"),)
+    stored, control = networkx_modules()
+    nx_docs, nx_control = write_documents(stored, args.work / "networkx-docs"), write_documents(control, args.work / "networkx-control")
+    nx_store = args.work / "networkx-store"
+    if not (nx_store / "manifest.json").exists():
+        build_datastore([nx_docs], nx_store, model_dir, BuildConfig())
+    corpora["networkx"] = (nx_store, nx_docs, nx_control)
+
+    reports = {}
+    for name, (datastore, docs, control_docs) in corpora.items():
+        reports[name] = evaluate_corpus(name, datastore, docs, control_docs, args.work, args.out, args.strong)
+        manifest = json.loads((datastore / "manifest.json").read_text())
+        reports[name]["datastore_entries"] = manifest["entries"]
+        reports[name]["calibration"] = {k: manifest["calibration"][k] for k in ("mode", "lambda", "temperature", "k", "adaptive_lambda")}
+    result = {
+        **run_record("task_eval"),
+        "corpora": {
+            "pydocs": {"documents": list(MODULES), "control": list(STDLIB_CONTROL)},
+            "networkx": {"package": f"networkx {__import__('networkx').__version__}", "documents": stored, "control": control},
+        },
+        "strong_lambda": args.strong,
+        "results": {
+            name: {k: r[k] for k in ("datastore_entries", "calibration", "settings", "skipped", "summary")} for name, r in reports.items()
+        },
+    }
+    (args.out.parent / "task_eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(reports, args.out.parent / "task_eval.png")
+    print(
+        json.dumps(
+            {n: {s: {k: round(v["exact_match"], 3) for k, v in by.items()} for s, by in r["summary"].items()} for n, r in reports.items()},
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
