@@ -1,23 +1,29 @@
 """Does kNN help on a task? "Which name does this?" from documentation, asked in three forms, on
-two corpora, with kNN off, with the served (calibrated) defaults, and with a stronger λ.
+two corpora, with kNN off, with calibrated defaults, and with a stronger λ.
 
     .venv/bin/python benchmarks/task_eval.py          # ~1 h on 2 CPU cores (one build, two servers)
 
-Corpora (each: documents in the datastore, and control documents kept out of it):
-  * pydocs: the embedded default datastore (`make serve`'s; the standard-library modules of
-    index_builder.default_datastore.MODULES); control: other standard-library modules.
-  * networkx: docstrings of the `networkx` package's algorithms (PyPI; in the same layout), a
-    datastore built with `knnlm-index build` defaults (calibrated); control: every fifth module.
-For each: `knnlm-eval items` writes the items, a server (configs/default.yaml, serving that
-datastore) answers `knnlm-eval tasks`. Writes benchmarks/results/task_eval/<corpus>/tasks.*,
-benchmarks/results/task_eval.json and task_eval.png.
+Corpora (each: documents in the datastore, and control documents out of it):
+  * pydocs: the embedded default datastore (`make serve`'s: the standard-library modules of
+    index_builder.default_datastore.MODULES); control: other standard-library modules, and the
+    modules its build held out for calibration.
+  * networkx: docstrings of the `networkx` package's algorithms (PyPI; the same layout), a
+    datastore built with `knnlm-index build` defaults; control: every fifth module, and the
+    build's held-out ones.
+For each: `knnlm-eval items` writes the items; the datastore is calibrated again twice (copies):
+`fit` (the best held-out adaptive-λ curve) and `ceiling` (the highest λ at distance 0 within
+CEILING of it); a server (configs/default.yaml) serves both, and `knnlm-eval tasks` scores kNN
+off, `served` (= fit), `ceiling`, and `strong` (fixed λ). Writes
+benchmarks/results/task_eval/<corpus>/tasks.*, benchmarks/results/task_eval.json and .png.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import pkgutil
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +36,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from run_record import run_record
 
 from index_builder.build import build_datastore
+from index_builder.calibrate import recalibrate
 from index_builder.default_datastore import MODULES, module_documents, prepare_default_datastore
 from knnlm_core.config import BuildConfig
+from knnlm_core.datastore import read_manifest
 from knnlm_core.default_model import prepare_default_model
+from knnlm_serve.eval.doc_items import stored_hashes
 from knnlm_serve.server.process import RunningServer
 
 STDLIB_CONTROL = (
@@ -49,6 +58,7 @@ STDLIB_CONTROL = (
     "ipaddress",
     "gettext",
 )
+CEILING = 0.005  # the ceiling tolerance tried against the best held-out fit
 NETWORKX_STORE_CHARS = 480_000  # about 120k tokens, the size of the issue's library-docs store
 
 
@@ -80,16 +90,41 @@ def knnlm_eval(*args) -> None:
     subprocess.run([sys.executable, "-m", "knnlm_serve.eval.cli", *map(str, args)], check=True)
 
 
-def evaluate_corpus(name: str, datastore: Path, docs: Path, control: Path, work: Path, out: Path, strong: float) -> dict:
+def calibrated_copies(name: str, datastore: Path, heldout: list[Path], work: Path, model_dir: Path) -> dict[str, Path]:
+    """Two copies of the datastore (hard links; only the manifest is rewritten), calibrated again on
+    its build's held-out documents: `fit`, the best held-out curve (ceiling tolerance 0), and
+    `ceiling`, the curve with the highest λ at distance 0 within CEILING of it."""
+    copies = {}
+    for variant, tolerance in (("fit", 0.0), ("ceiling", CEILING)):
+        copy = work / f"{name}-{variant}"
+        shutil.rmtree(copy, ignore_errors=True)
+        subprocess.run(["cp", "-al", str(datastore), str(copy)], check=True)
+        built = read_manifest(copy)
+        config = BuildConfig(context_length=built.build.context_length, stride=built.build.stride, ceiling_tolerance=tolerance)
+        recalibrate(copy, heldout, model_dir, config, progress=False)
+        copies[f"{name}-{variant}"] = copy
+    return copies
+
+
+def evaluate_corpus(name: str, datastore: Path, docs: Path, control: Path, work: Path, out: Path, model_dir: Path, strong: float) -> dict:
     items = work / f"{name}-items.jsonl"
-    knnlm_eval("items", docs, "--control", control, "--limit", 150, "--control-limit", 50, "-o", items)
+    knnlm_eval("items", docs, "--datastore", datastore, "--control", control, "--limit", 100, "--control-limit", 50, "-o", items)
+    served = stored_hashes(datastore)
+    heldout = [f for f in sorted(docs.glob("*.txt")) if hashlib.sha256(f.read_text().encode()).hexdigest() not in served]
+    copies = calibrated_copies(name, datastore, heldout, work, model_dir)
     config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
-    config["knn"]["datastores"] = {name: str(datastore)}
+    config["knn"]["datastores"] = {n: str(p) for n, p in copies.items()}  # the first, `fit`, serves requests that name none
     config.pop("port")
     (work / name).mkdir(exist_ok=True)
     with RunningServer(config, work / name) as server:
-        knnlm_eval("tasks", items, "--base-url", server.base_url, "--set", f"strong:knn_lambda={strong}", "-o", out / name)
-    return json.loads((out / name / "tasks.json").read_text())
+        knnlm_eval(
+            "tasks", items, "--base-url", server.base_url, "--set", f"ceiling:knn_datastore={name}-ceiling",
+            "--set", f"strong:knn_lambda={strong}", "-o", out / name,
+        )  # fmt: skip
+    report = json.loads((out / name / "tasks.json").read_text())
+    report["calibrations"] = {n: read_manifest(p).calibration.model_dump(mode="json", by_alias=True) for n, p in copies.items()}
+    report["datastore_entries"] = read_manifest(datastore).entries
+    return report
 
 
 def plot(reports: dict, path: Path) -> None:
@@ -116,7 +151,7 @@ def plot(reports: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strong", type=float, default=0.5, help="λ of the stronger setting")
+    parser.add_argument("--strong", type=float, default=0.8, help="λ of the stronger setting")
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-task-eval"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/task_eval")
     args = parser.parse_args()
@@ -133,12 +168,10 @@ def main() -> None:
         build_datastore([nx_docs], nx_store, model_dir, BuildConfig())
     corpora["networkx"] = (nx_store, nx_docs, nx_control)
 
-    reports = {}
-    for name, (datastore, docs, control_docs) in corpora.items():
-        reports[name] = evaluate_corpus(name, datastore, docs, control_docs, args.work, args.out, args.strong)
-        manifest = json.loads((datastore / "manifest.json").read_text())
-        reports[name]["datastore_entries"] = manifest["entries"]
-        reports[name]["calibration"] = {k: manifest["calibration"][k] for k in ("mode", "lambda", "temperature", "k", "adaptive_lambda")}
+    reports = {
+        name: evaluate_corpus(name, datastore, docs, control_docs, args.work, args.out, model_dir, args.strong)
+        for name, (datastore, docs, control_docs) in corpora.items()
+    }
     result = {
         **run_record("task_eval"),
         "corpora": {
@@ -147,7 +180,7 @@ def main() -> None:
         },
         "strong_lambda": args.strong,
         "results": {
-            name: {k: r[k] for k in ("datastore_entries", "calibration", "settings", "skipped", "summary")} for name, r in reports.items()
+            name: {k: r[k] for k in ("datastore_entries", "calibrations", "settings", "skipped", "summary")} for name, r in reports.items()
         },
     }
     (args.out.parent / "task_eval.json").write_text(json.dumps(result, indent=1) + "\n")

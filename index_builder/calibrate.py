@@ -64,7 +64,7 @@ def calibrate_on(
     targets = window_values(tokens, plan)
     searchers = open_shards(root, manifest)
     shards = [(s.index, s.values, s.keep, s.first_id) for s in searchers]
-    grid = SweepGrid(skip_tolerance=config.skip_tolerance, k_tolerance=config.k_tolerance)
+    grid = SweepGrid(skip_tolerance=config.skip_tolerance, k_tolerance=config.k_tolerance, ceiling_tolerance=config.ceiling_tolerance)
 
     def fit_at(nprobe: int | None) -> tuple[dict, np.ndarray, np.ndarray]:
         distances, found, ids = search_many(shards, keys, max(grid.ks), nprobe, progress=progress, desc=f"search nprobe={nprobe}")

@@ -38,6 +38,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, model: type[BuildConfig])
             parser.add_argument(flag, type=annotation, help=help_text)
 
 
+CALIBRATION_TOLERANCES = ("skip_tolerance", "k_tolerance", "ceiling_tolerance", "nprobe_tolerance")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="knnlm-index", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -61,18 +64,13 @@ def main(argv: list[str] | None = None) -> None:
     calibrate.add_argument("--context-length", type=int, help="default: the build's")
     calibrate.add_argument("--stride", type=int, help="default: the build's")
     calibrate.add_argument("--text-field", default=BuildConfig().text_field, help="field holding the text in .jsonl inputs")
-    calibrate.add_argument(
-        "--skip-tolerance", type=float, default=BuildConfig().skip_tolerance, help=BuildConfig.model_fields["skip_tolerance"].description
-    )
-    calibrate.add_argument(
-        "--k-tolerance", type=float, default=BuildConfig().k_tolerance, help=BuildConfig.model_fields["k_tolerance"].description
-    )
-    calibrate.add_argument(
-        "--nprobe-tolerance",
-        type=float,
-        default=BuildConfig().nprobe_tolerance,
-        help=BuildConfig.model_fields["nprobe_tolerance"].description,
-    )
+    for tolerance in CALIBRATION_TOLERANCES:
+        calibrate.add_argument(
+            "--" + tolerance.replace("_", "-"),
+            type=float,
+            default=BuildConfig.model_fields[tolerance].default,
+            help=BuildConfig.model_fields[tolerance].description,
+        )
     calibrate.add_argument("--quiet", action="store_true", help="no progress bars")
 
     add = commands.add_parser(
@@ -134,9 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                     context_length=args.context_length or built.build.context_length,
                     stride=args.stride or built.build.stride,
                     text_field=args.text_field,
-                    skip_tolerance=args.skip_tolerance,
-                    k_tolerance=args.k_tolerance,
-                    nprobe_tolerance=args.nprobe_tolerance,
+                    **{tolerance: getattr(args, tolerance) for tolerance in CALIBRATION_TOLERANCES},
                     dtype=built.model.dtype,
                 )
             except ValidationError as e:

@@ -107,20 +107,27 @@ def _best_point(fit: dict) -> dict:
 
 
 def fit_adaptive_lambda(log_p_lm, log_p_knn, d_nearest, tune, config: SweepGrid) -> dict:
-    """Grid search of (λ_max, slope, center) on the tuning part (after Drozdov et al., 2022)."""
+    """Grid search of (λ_max, slope, center) on the tuning part (after Drozdov et al., 2022).
+
+    Held-out text rarely lies close to a stored key, so the best curve barely constrains λ there;
+    of the curves within `config.ceiling_tolerance` of the best, the one with the highest λ at
+    distance 0 is kept, so that text in the stored form gets the strongest mixture the held-out
+    text allows."""
     has = np.isfinite(d_nearest)
     d = np.where(has, d_nearest, 0.0)
     spread = float(np.std(d[tune & has])) or 1.0
     centers = np.quantile(d[tune & has], np.linspace(0.05, 0.95, 19))
-    best = None
+    fits = []
     for lambda_max in (lam for lam in config.lambdas if lam > 0):
         for slope in (s / spread for s in (0.25, 0.5, 1, 2, 4, 8)):
             for center in centers:
                 lam = adaptive_lambda(d, lambda_max, slope, center)
-                ppl = perplexity(mixture_log_prob(log_p_lm[tune], log_p_knn[tune], lam[tune], has[tune]))
-                if best is None or ppl < best[0]:
-                    best = (ppl, lambda_max, slope, float(center))
-    ppl, lambda_max, slope, center = best
+                fits.append(
+                    (perplexity(mixture_log_prob(log_p_lm[tune], log_p_knn[tune], lam[tune], has[tune])), lambda_max, slope, float(center))
+                )
+    best = min(fits)[0]
+    near = [f for f in fits if f[0] <= best * (1 + config.ceiling_tolerance)]
+    ppl, lambda_max, slope, center = max(near, key=lambda f: (float(adaptive_lambda(np.zeros(1), *f[1:])[0]), -f[0]))
     lam = adaptive_lambda(d, lambda_max, slope, center)
     report = perplexity(mixture_log_prob(log_p_lm[~tune], log_p_knn[~tune], lam[~tune], has[~tune]))
     return {
@@ -260,7 +267,7 @@ def fit_calibration(
         "temperature": best["temperature"],
         "k": best["k"],
         "adaptive_lambda": {key: adaptive[key] for key in ("lambda_max", "slope", "center")},
-        "mode": "adaptive" if adaptive["report_ppl"] < best["report_ppl"] else "fixed",
+        "mode": "adaptive" if adaptive["report_ppl"] < best["report_ppl"] * (1 + grid.ceiling_tolerance) else "fixed",
     }
     skip = fit_skip(log_p_lm, served_log_prob(log_p_lm, distances, match, fit), top_log_p, tune, grid.skip_tolerance)
     return {
@@ -269,6 +276,7 @@ def fit_calibration(
         "base_ppl": perplexity(log_p_lm[~tune]),
         "knn_ppl": best["report_ppl"],
         "adaptive_ppl": adaptive["report_ppl"],
+        "ceiling_tolerance": grid.ceiling_tolerance,
         "k_curve": {"tolerance": grid.k_tolerance, "ks": best["curve"]},
         "skip": {key: skip[key] for key in ("threshold", "skipped", "ppl", "full_ppl", "tolerance")},
     }

@@ -52,6 +52,12 @@ class BuildConfig(_Strict):
     k_tolerance: float = Field(
         0.0025, ge=0, description="calibration: share of perplexity a smaller (cheaper) k may cost against the best k on the fitting half"
     )
+    ceiling_tolerance: float = Field(
+        0.0,
+        ge=0,
+        description="calibration: the adaptive-λ curve that trusts a near-verbatim match most (the highest λ at distance 0) among those "
+        "within this share of the best curve's perplexity on the fitting half; 0: the best curve",
+    )
     nprobe_tolerance: float = Field(
         0.0025,
         ge=0,
@@ -249,6 +255,7 @@ class SweepGrid(_Strict):
     skip_tolerance: float = Field(
         0.005, ge=0, description="adaptive retrieval: skip searches while tuning perplexity stays within this share of full retrieval"
     )
+    ceiling_tolerance: float = Field(0.0, ge=0, description=BuildConfig.model_fields["ceiling_tolerance"].description)
 
 
 class EvalConfig(SweepGrid):

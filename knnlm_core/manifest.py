@@ -132,6 +132,7 @@ class Calibration(_Record):
     base_ppl: float  # on the judged half: the LM alone,
     knn_ppl: float  # kNN-LM at the fitted fixed λ,
     adaptive_ppl: float  # and with the adaptive curve
+    ceiling_tolerance: float = 0.0  # perplexity share the adaptive curve gave up for a higher λ at distance 0
     k_curve: KCurve | None = None  # None: calibrated before k was chosen for cost (the best k was served)
     skip: SkipRule | None = None  # None: calibrated before adaptive retrieval existed (never skips)
     pointers: PointerRule | None = None  # None: no document boundaries, or calibrated before pointers existed

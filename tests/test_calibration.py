@@ -17,12 +17,13 @@ from conftest import STRICT_KNN, TINY_SERVER, prompt_logprobs
 
 from index_builder.build import build_datastore
 from index_builder.default_datastore import module_documents
-from knnlm_core.calibration import cheapest_k, fit_skip, narrowest_nprobe, perplexity
-from knnlm_core.config import BuildConfig
+from knnlm_core.calibration import cheapest_k, fit_adaptive_lambda, fit_skip, narrowest_nprobe, perplexity
+from knnlm_core.config import BuildConfig, SweepGrid
 from knnlm_core.datastore import read_manifest, write_manifest
 from knnlm_core.errors import CorpusError
 from knnlm_core.heldout import split_heldout
 from knnlm_core.manifest import MANIFEST
+from knnlm_core.mixture import adaptive_lambda
 from knnlm_serve.server.process import RunningServer
 
 TOKEN = "cal-token"
@@ -120,6 +121,24 @@ def test_nprobe_is_halved_while_the_perplexity_holds():
     assert curve == [{"nprobe": n, "tune_ppl": p, "report_ppl": p + 1} for n, p in ((32, 10.0), (16, 10.01), (8, 10.02), (4, 10.5))]
     assert narrowest_nprobe(32, 0.0, fit_at({32: 10.0, 16: 10.01})[0])[0] == 32  # no tolerance: the build's breadth
     assert narrowest_nprobe(4, 0.0025, fit_at({4: 10.0, 2: 10.0, 1: 9.99})[0])[0] == 1  # down to one list if nothing is lost
+
+
+def test_the_ceiling_tolerance_trusts_a_verbatim_match_more_for_a_bounded_cost():
+    rng = np.random.default_rng(0)
+    n = 4000
+    d = rng.uniform(5, 15, n)  # held-out text: never close to a stored key
+    log_p_lm = np.log(rng.uniform(0.05, 0.5, n))
+    right = rng.uniform(size=n) < np.clip((15 - d) / 10, 0, 1) * 0.6  # retrieval is right more often when closer
+    log_p_knn = np.where(right, np.log(0.6), np.log(1e-3))
+    tune = np.arange(n) < n // 2
+
+    def at_zero(fit: dict) -> float:
+        return float(adaptive_lambda(np.zeros(1), fit["lambda_max"], fit["slope"], fit["center"])[0])
+
+    best = fit_adaptive_lambda(log_p_lm, log_p_knn, d, tune, SweepGrid())
+    ceiling = fit_adaptive_lambda(log_p_lm, log_p_knn, d, tune, SweepGrid(ceiling_tolerance=0.005))
+    assert at_zero(best) < 0.5 < at_zero(ceiling)
+    assert best["tune_ppl"] <= ceiling["tune_ppl"] <= best["tune_ppl"] * 1.005
 
 
 def test_the_skip_rule_skips_where_the_lm_alone_is_as_good():

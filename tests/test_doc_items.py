@@ -10,7 +10,10 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
+from index_builder.build import build_datastore
 from index_builder.default_datastore import module_documents
+from index_builder.forget import forget_documents
+from knnlm_core.config import BuildConfig
 from knnlm_serve.eval.doc_items import FORMS, definitions, generate_items
 from knnlm_serve.eval.task_items import read_items, tokenize_item
 from knnlm_serve.eval.text import EvalError
@@ -129,3 +132,30 @@ def test_the_cli_writes_items_that_tasks_reads_and_that_split_cleanly_at_the_tok
 
 def definitions_in(directory) -> list:
     return [d for f in sorted(directory.glob("*.txt")) for d in definitions(f, f.read_text())]
+
+
+def test_documents_the_datastore_does_not_serve_join_the_control(tmp_path, tiny_model_dir):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("area", "perimeter"):
+        write(docs, f"{name}.txt", DOCSTRINGS.replace("shapes.", f"{name}s."))
+    build_datastore([docs], tmp_path / "store", tiny_model_dir, BuildConfig(index="flat", calibrate=False), progress=False)
+    write(docs, "later.txt", DOCSTRINGS.replace("shapes.", "later."))  # written after the build
+    assert served_or_control(generate_items([docs], datastore=tmp_path / "store")) == {
+        "area": "stored",
+        "perimeter": "stored",
+        "later": "control",
+    }
+    forget_documents(tmp_path / "store", documents=[0])
+    assert served_or_control(generate_items([docs], datastore=tmp_path / "store")) == {
+        "area": "control",
+        "perimeter": "stored",
+        "later": "control",
+    }
+    with pytest.raises(EvalError, match="none of the documents .* is served by"):
+        generate_items([docs / "later.txt"], datastore=tmp_path / "store")
+
+
+def served_or_control(items: list[dict]) -> dict[str, str]:
+    """Per document (file stem): whether its items are of the stored kinds or the control's."""
+    return {i["id"].split(":")[0]: "control" if i["kind"].startswith("control/") else "stored" for i in items}

@@ -16,6 +16,7 @@ The answer is the name's last part (`dumps`); a qualifier (`json.`) stays in the
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from dataclasses import dataclass
@@ -105,17 +106,44 @@ def corpus_files(paths: list[Path]) -> list[Path]:
     return files
 
 
-def generate_items(stored: list[Path], control: list[Path] = (), limit: int = 200, control_limit: int = 60, seed: int = 0) -> list[dict]:
+def stored_hashes(datastore: Path) -> set[str]:
+    """The sha256 of every document a datastore serves (not those its build held out or it forgot)."""
+    from knnlm_core.datastore import read_manifest
+    from knnlm_core.provenance import PROVENANCE, DocumentTable
+
+    manifest = read_manifest(datastore)
+    table = DocumentTable.read(Path(datastore) / PROVENANCE)
+    forgotten = {record.document for record in manifest.forgotten}
+    return {sha for document, sha in enumerate(table.sha256) if document not in forgotten}
+
+
+def generate_items(
+    stored: list[Path], control: list[Path] = (), limit: int = 200, control_limit: int = 60, seed: int = 0, datastore: Path | None = None
+) -> list[dict]:
     """Items for up to `limit` definitions of the stored documents and `control_limit` of the
-    control documents (a seeded sample, in corpus order), three forms each."""
+    control documents (a seeded sample, in corpus order), three forms each. With `datastore`, a
+    document it does not serve (its build held it out for calibration, or it was forgotten) joins
+    the control: a document is matched by the sha256 of its text, as the build recorded it."""
+    stored_files, control_files = corpus_files(stored), corpus_files(control) if control else []
+    if datastore is not None:
+        served = stored_hashes(datastore)
+        texts = {f: _read(f) for f in stored_files}
+        kept = [f for f in stored_files if hashlib.sha256(texts[f].encode("utf-8")).hexdigest() in served]
+        if not kept:
+            raise EvalError(
+                f"none of the documents under {', '.join(map(str, stored))} is served by {datastore} "
+                "(matched by the sha256 of their text): pass the files the datastore was built from"
+            )
+        control_files += [f for f in stored_files if f not in kept]
+        stored_files = kept
     items = []
-    for paths, most, prefix in ((stored, limit, ""), (control, control_limit, "control/")):
-        if not paths:
+    for files, most, prefix in ((stored_files, limit, ""), (control_files, control_limit, "control/")):
+        if not files:
             continue
-        found = [d for f in corpus_files(paths) for d in definitions(f, f.read_text(encoding="utf-8", errors="replace"))]
+        found = [d for f in files for d in definitions(f, _read(f))]
         if not found:
             raise EvalError(
-                f"no documented names found in {', '.join(map(str, paths))}: expected the docstring layout "
+                f"no documented names found in {', '.join(sorted({str(f.parent) for f in files}))}: expected the docstring layout "
                 "(a line `module.name`, a blank line, its docstring), Markdown headings or reST `.. function::` directives"
             )
         chosen = sorted(random.Random(seed).sample(range(len(found)), min(most, len(found))))
@@ -124,3 +152,7 @@ def generate_items(stored: list[Path], control: list[Path] = (), limit: int = 20
     for item in items:
         unique.setdefault(item["id"], item)  # a name documented twice in one document: its first
     return list(unique.values())
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace")

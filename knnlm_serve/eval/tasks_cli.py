@@ -19,7 +19,7 @@ ITEMS_USAGE = """Write task items ("which name does this?" in three forms) from 
 docstring-layout .txt, Markdown or reStructuredText files. Pass the documents your datastore holds,
 and with --control documents it does not hold.
 
-    knnlm-eval items docs/ --control more-docs/ -o items.jsonl
+    knnlm-eval items docs/ --datastore datastores/mydocs --control more-docs/ -o items.jsonl
     knnlm-eval tasks items.jsonl --set strong:knn_lambda=0.5
 """
 
@@ -35,13 +35,18 @@ def items_main(argv: list[str]) -> None:
     parser.add_argument(
         "--control", nargs="+", type=Path, default=[], help="documents kept out of the datastore (items of kind control/...)"
     )
+    parser.add_argument(
+        "--datastore",
+        type=Path,
+        help="the datastore built from DOCS: a document it does not serve (held out by the build, forgotten) joins the control",
+    )
     parser.add_argument("--limit", type=int, default=200, help="documented names to sample from the datastore's documents")
     parser.add_argument("--control-limit", type=int, default=60, help="documented names to sample from the control documents")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-o", "--output", type=Path, default=Path("items.jsonl"))
     args = parser.parse_args(argv)
     try:
-        items = generate_items(args.docs, args.control, args.limit, args.control_limit, args.seed)
+        items = generate_items(args.docs, args.control, args.limit, args.control_limit, args.seed, args.datastore)
     except KnnlmError as e:
         sys.exit(f"knnlm-eval: error: {e}")
     args.output.write_text("".join(json.dumps(item) + "\n" for item in items))
