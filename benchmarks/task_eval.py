@@ -13,7 +13,8 @@ Corpora (each: documents in the datastore, and control documents out of it):
 For each: `knnlm-eval items` writes the items; the datastore is calibrated again twice (copies):
 `fit` (the best held-out adaptive-λ curve) and `ceiling` (the highest λ at distance 0 within
 CEILING of it); a server (configs/default.yaml) serves both, and `knnlm-eval tasks` scores kNN
-off, `served` (= fit), `ceiling`, and `strong` (fixed λ). Writes
+off, `served` (= fit), `ceiling`, `strong` (a fixed λ) and `strong-noskip` (the same, searching at
+every step: the calibrated skip rule leaves out steps where the LM is confident). Writes
 benchmarks/results/task_eval/<corpus>/tasks.*, benchmarks/results/task_eval.json and .png.
 """
 
@@ -41,7 +42,7 @@ from index_builder.default_datastore import MODULES, module_documents, prepare_d
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import read_manifest
 from knnlm_core.default_model import prepare_default_model
-from knnlm_serve.eval.doc_items import stored_hashes
+from knnlm_serve.eval.doc_items import FORMS, stored_hashes
 from knnlm_serve.server.process import RunningServer
 
 STDLIB_CONTROL = (
@@ -106,20 +107,35 @@ def calibrated_copies(name: str, datastore: Path, heldout: list[Path], work: Pat
     return copies
 
 
-def evaluate_corpus(name: str, datastore: Path, docs: Path, control: Path, work: Path, out: Path, model_dir: Path, strong: float) -> dict:
+def evaluate_corpus(name: str, datastore: Path, docs: Path, control: Path, work: Path, out: Path, model_dir: Path, args) -> dict:
     items = work / f"{name}-items.jsonl"
-    knnlm_eval("items", docs, "--datastore", datastore, "--control", control, "--limit", 100, "--control-limit", 50, "-o", items)
+    knnlm_eval(
+        "items",
+        docs,
+        "--datastore",
+        datastore,
+        "--control",
+        control,
+        "--limit",
+        args.limit,
+        "--control-limit",
+        args.control_limit,
+        "-o",
+        items,
+    )
     served = stored_hashes(datastore)
     heldout = [f for f in sorted(docs.glob("*.txt")) if hashlib.sha256(f.read_text().encode()).hexdigest() not in served]
     copies = calibrated_copies(name, datastore, heldout, work, model_dir)
     config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
-    config["knn"]["datastores"] = {n: str(p) for n, p in copies.items()}  # the first, `fit`, serves requests that name none
+    config["knn"]["datastores"] = {n: str(p) for n, p in copies.items()}
+    config["knn"]["default_datastore"] = f"{name}-fit"  # what requests that name none get: `served`
     config.pop("port")
     (work / name).mkdir(exist_ok=True)
     with RunningServer(config, work / name) as server:
         knnlm_eval(
             "tasks", items, "--base-url", server.base_url, "--set", f"ceiling:knn_datastore={name}-ceiling",
-            "--set", f"strong:knn_lambda={strong}", "-o", out / name,
+            "--set", f"strong:knn_lambda={args.strong}", "--set", f"strong-noskip:knn_lambda={args.strong},knn_skip_threshold=1",
+            "-o", out / name,
         )  # fmt: skip
     report = json.loads((out / name / "tasks.json").read_text())
     report["calibrations"] = {n: read_manifest(p).calibration.model_dump(mode="json", by_alias=True) for n, p in copies.items()}
@@ -133,17 +149,17 @@ def plot(reports: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(reports), figsize=(6.2 * len(reports), 3.6), sharey=True)
-    for ax, (corpus, report) in zip(axes, reports.items()):
+    fig, axes = plt.subplots(1, len(reports), figsize=(6.2 * len(reports), 3.6), sharey=True, squeeze=False)
+    for ax, (corpus, report) in zip(axes[0], reports.items()):
         summary = report["summary"]
-        kinds = [k for k in summary["off"] if k != "all"]
+        kinds = sorted((k for k in summary["off"] if k != "all"), key=lambda k: (k.startswith("control/"), FORMS.index(k.split("/")[-1])))
         width = 0.8 / len(summary)
         for n, (setting, by_kind) in enumerate(summary.items()):
             ax.bar([k + n * width for k in range(len(kinds))], [by_kind[k]["exact_match"] for k in kinds], width, label=setting)
         ax.set_xticks([k + width * (len(summary) - 1) / 2 for k in range(len(kinds))], kinds, rotation=25, ha="right", fontsize=8)
         ax.set_title(f"{corpus} ({report['datastore_entries']:,} entries)")
-    axes[0].set_ylabel("greedy exact match")
-    axes[0].legend(fontsize=8)
+    axes[0][0].set_ylabel("greedy exact match")
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -152,6 +168,9 @@ def plot(reports: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strong", type=float, default=0.8, help="λ of the stronger setting")
+    parser.add_argument("--limit", type=int, default=100, help="documented names sampled per corpus from the stored documents")
+    parser.add_argument("--control-limit", type=int, default=50, help="and from the control documents")
+    parser.add_argument("--corpora", nargs="+", default=["pydocs", "networkx"], choices=["pydocs", "networkx"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-task-eval"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/task_eval")
     args = parser.parse_args()
@@ -159,26 +178,34 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     model_dir = prepare_default_model()
-    corpora = {"pydocs": (prepare_default_datastore(model_dir), write_documents(MODULES, args.work / "pydocs-docs"))}
-    corpora["pydocs"] += (write_documents(STDLIB_CONTROL, args.work / "pydocs-control"),)
-    stored, control = networkx_modules()
-    nx_docs, nx_control = write_documents(stored, args.work / "networkx-docs"), write_documents(control, args.work / "networkx-control")
-    nx_store = args.work / "networkx-store"
-    if not (nx_store / "manifest.json").exists():
-        build_datastore([nx_docs], nx_store, model_dir, BuildConfig())
-    corpora["networkx"] = (nx_store, nx_docs, nx_control)
-
+    corpora = {}
+    if "pydocs" in args.corpora:
+        docs, control = write_documents(MODULES, args.work / "pydocs-docs"), write_documents(STDLIB_CONTROL, args.work / "pydocs-control")
+        corpora["pydocs"] = (prepare_default_datastore(model_dir), docs, control)
+    nx_stored, nx_control_modules = networkx_modules()
+    if "networkx" in args.corpora:
+        nx_docs = write_documents(nx_stored, args.work / "networkx-docs")
+        nx_control = write_documents(nx_control_modules, args.work / "networkx-control")
+        nx_store = args.work / "networkx-store"
+        if not (nx_store / "manifest.json").exists():
+            build_datastore([nx_docs], nx_store, model_dir, BuildConfig())
+        corpora["networkx"] = (nx_store, nx_docs, nx_control)
     reports = {
-        name: evaluate_corpus(name, datastore, docs, control_docs, args.work, args.out, model_dir, args.strong)
+        name: evaluate_corpus(name, datastore, docs, control_docs, args.work, args.out, model_dir, args)
         for name, (datastore, docs, control_docs) in corpora.items()
     }
     result = {
         **run_record("task_eval"),
         "corpora": {
             "pydocs": {"documents": list(MODULES), "control": list(STDLIB_CONTROL)},
-            "networkx": {"package": f"networkx {__import__('networkx').__version__}", "documents": stored, "control": control},
+            "networkx": {
+                "package": f"networkx {__import__('networkx').__version__}",
+                "documents": nx_stored,
+                "control": nx_control_modules,
+            },
         },
         "strong_lambda": args.strong,
+        "ceiling_tolerance": CEILING,
         "results": {
             name: {k: r[k] for k in ("datastore_entries", "calibrations", "settings", "skipped", "summary")} for name, r in reports.items()
         },

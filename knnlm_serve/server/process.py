@@ -32,7 +32,7 @@ class RunningServer:
         self.port = config.get("port") or free_port()
         self.config = {**config, "port": self.port, "host": "127.0.0.1"}
         self.config_path = workdir / "serve.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.config))
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))  # keep the datastores in order: the first is the default
         self.log_path = workdir / "serve.log"
         self.startup_timeout = startup_timeout
         self.base_url = f"http://127.0.0.1:{self.port}"
