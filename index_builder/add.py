@@ -76,6 +76,9 @@ def add_documents(
         plan = plan_windows(offsets, config.context_length, config.stride)
         if corpus.documents == 0 or plan.entries == 0:
             raise CorpusError(f"there is no text to add in {', '.join(map(str, inputs))}: every document is empty or one token long")
+        refuse_duplicates(
+            DocumentTable.read(root / manifest.provenance.path), manifest, DocumentTable.read(scratch / "corpus_documents.json")
+        )
         encode_started = time.monotonic()
         encode_keys(scratch, tokens, plan, KeyEncoder(model_dir, config.key_type, config.dtype), config, progress)
         encode_seconds = _recorded_seconds(scratch / "encode_seconds.json", time.monotonic() - encode_started)
@@ -129,6 +132,22 @@ def add_documents(
 
         new = fit_again(root, [], model_dir, config, progress)
     return new, new.additions[-1]
+
+
+def refuse_duplicates(table: DocumentTable, manifest: Manifest, new: DocumentTable) -> None:
+    """A document the datastore already serves (same text, by sha256) is not added twice: its
+    entries would double its weight in p_kNN."""
+    forgotten = {record.document for record in manifest.forgotten}
+    served = {sha: document for document, sha in enumerate(table.sha256) if document not in forgotten}
+    for n, sha in enumerate(new.sha256):
+        if sha in served:
+            where = new.describe(n)
+            line = f" line {where['line']}" if where["line"] else ""
+            raise CorpusError(
+                f"{Path(new.root) / where['source']}{line} is already in the datastore "
+                f"as document {served[sha]} ({table.describe(served[sha])['source']}, same text): nothing was added; "
+                "leave it out, or forget that document first to replace it"
+            )
 
 
 def quantizer_of(root: Path, work: Path, manifest: Manifest):

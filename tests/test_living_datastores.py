@@ -174,8 +174,9 @@ def test_a_killed_forget_leaves_the_datastore_byte_identical_and_a_rerun_complet
         (["forget", "{root}", *[a for d in range(6) for a in ("--document", str(d))]], "would leave datastore ds none"),
         (["add", "{root}", "{empty}", "--model", "{model}"], "no text"),
         (["add", "{root}", "{corpus}", "--model", "{other}"], "was built for model"),
+        (["add", "{root}", "{corpus}", "--model", "{model}"], "is already in the datastore as document 0"),
     ],
-    ids=["unknown-document", "unknown-id", "nothing-named", "every-document", "empty-add", "other-model"],
+    ids=["unknown-document", "unknown-id", "nothing-named", "every-document", "empty-add", "other-model", "duplicate-document"],
 )
 def test_bad_adds_and_forgets_name_the_problem_and_change_nothing(args, message, corpus, tiny_model_dir, smollm2_dir, tmp_path):
     root = build(corpus, tiny_model_dir, tmp_path / "ds")
