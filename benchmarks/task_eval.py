@@ -15,7 +15,7 @@ For each: `knnlm-eval items` writes the items; the datastore is calibrated again
 CEILING of it); a server (configs/default.yaml) serves both, and `knnlm-eval tasks` scores kNN
 off, `served` (= fit), `ceiling`, `strong` (a fixed λ) and `strong-noskip` (the same, searching at
 every step: the calibrated skip rule leaves out steps where the LM is confident). Writes
-benchmarks/results/task_eval/<corpus>/tasks.*, benchmarks/results/task_eval.json and .png.
+benchmarks/results/task_eval/<corpus>/tasks.*, and benchmarks/results/task_eval.json, .md and .png.
 """
 
 from __future__ import annotations
@@ -165,6 +165,26 @@ def plot(reports: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def table(reports: dict) -> str:
+    """Per corpus and kind: items, then per setting exact match and (past `off`) the mean gain in the
+    answer's log-probability over kNN off."""
+    settings = list(next(iter(reports.values()))["summary"])
+    rows = [
+        "| corpus | kind | items | " + " | ".join(settings) + " | " + " | ".join(f"Δ log p {s}" for s in settings[1:]) + " |",
+        "|---|---|---:|" + "---:|" * (2 * len(settings) - 1),
+    ]
+    for corpus, report in reports.items():
+        summary = report["summary"]
+        kinds = sorted(
+            summary["off"], key=lambda k: (k == "all", k.startswith("control/"), FORMS.index(k.split("/")[-1]) if k != "all" else 0)
+        )
+        for kind in kinds:
+            exact = " | ".join(f"{summary[s][kind]['exact_match']:.1%}" for s in settings)
+            gain = " | ".join(f"{summary[s][kind]['vs_off']['mean_logprob_gain']:+.2f}" for s in settings[1:])
+            rows.append(f"| {corpus} | {kind} | {summary['off'][kind]['items']} | {exact} | {gain} |")
+    return "\n".join(rows) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strong", type=float, default=0.8, help="λ of the stronger setting")
@@ -212,6 +232,7 @@ def main() -> None:
     }
     (args.out.parent / "task_eval.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(reports, args.out.parent / "task_eval.png")
+    (args.out.parent / "task_eval.md").write_text(table(reports))
     print(
         json.dumps(
             {n: {s: {k: round(v["exact_match"], 3) for k, v in by.items()} for s, by in r["summary"].items()} for n, r in reports.items()},
