@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-living"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/living_datastore.json")
     args = parser.parse_args()
+    record = run_record("living_datastore")  # the commit whose code runs, whatever is committed meanwhile
 
     model_dir = prepare_default_model()
     shutil.rmtree(args.work, ignore_errors=True)
@@ -119,7 +120,7 @@ def main() -> None:
     _, reload_s = timed(registry.load, "appended", args.work / "appended")
 
     report = {
-        **run_record("living_datastore"),
+        **record,
         "corpus": {
             "source": "WikiText-2 valid.txt, one document per article"
             + (", then the King James Bible of corpus_1m.py, one document per chapter" if args.bible else ""),

@@ -194,6 +194,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-task-eval"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/task_eval")
     args = parser.parse_args()
+    record = run_record("task_eval")  # the commit whose code runs, whatever is committed meanwhile
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -215,7 +216,7 @@ def main() -> None:
         for name, (datastore, docs, control_docs) in corpora.items()
     }
     result = {
-        **run_record("task_eval"),
+        **record,
         "corpora": {
             "pydocs": {"documents": list(MODULES), "control": list(STDLIB_CONTROL)},
             "networkx": {

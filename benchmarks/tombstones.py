@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-tombstones"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tombstones.json")
     args = parser.parse_args()
+    record = run_record("tombstones")  # the commit whose code runs, whatever is committed meanwhile
     args.work.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     keys = np.lib.format.open_memmap(args.work / "keys.npy", mode="w+", dtype=np.float16, shape=(args.entries, DIM))
@@ -128,7 +129,7 @@ def main() -> None:
     served = ServedModel(Path("synthetic"), "LlamaForCausalLM", "-", DIM, True)
 
     report = {
-        **run_record("tombstones"),
+        **record,
         "entries": args.entries,
         "stores": {},
     }
