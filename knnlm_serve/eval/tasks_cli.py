@@ -94,6 +94,7 @@ def tasks_main(argv: list[str]) -> None:
     parser.add_argument("-o", "--output", type=Path, default=Path("knnlm-eval-tasks"), help="directory for tasks.json/.md and the plot")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="knnlm-eval: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     try:
         items = read_items(args.items)
         client, model, tokenizer = _connect(args)
