@@ -1,7 +1,7 @@
 """Does kNN help on a task? "Which name does this?" from documentation, asked in three forms, on
 two corpora, with kNN off, with calibrated defaults, and with a stronger λ.
 
-    .venv/bin/python benchmarks/task_eval.py          # ~1 h on 2 CPU cores (one build, two servers)
+    .venv/bin/python benchmarks/task_eval.py          # ~45 min on 2 CPU cores (one build, two servers)
 
 Corpora (each: documents in the datastore, and control documents out of it):
   * pydocs: the embedded default datastore (`make serve`'s: the standard-library modules of
@@ -188,8 +188,8 @@ def table(reports: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strong", type=float, default=0.8, help="λ of the stronger setting")
-    parser.add_argument("--limit", type=int, default=100, help="documented names sampled per corpus from the stored documents")
-    parser.add_argument("--control-limit", type=int, default=50, help="and from the control documents")
+    parser.add_argument("--limit", type=int, default=60, help="documented names sampled per corpus from the stored documents")
+    parser.add_argument("--control-limit", type=int, default=30, help="and from the control documents")
     parser.add_argument("--corpora", nargs="+", default=["pydocs", "networkx"], choices=["pydocs", "networkx"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-task-eval"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/task_eval")
