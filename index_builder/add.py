@@ -32,7 +32,7 @@ from knnlm_core.files import write_json_atomic
 from knnlm_core.keys import KeyEncoder
 from knnlm_core.manifest import MANIFEST, QUANTIZER, AddRecord, Manifest
 from knnlm_core.model_dir import model_fingerprint
-from knnlm_core.provenance import PROVENANCE, DocumentTable
+from knnlm_core.provenance import PROVENANCE, DocumentTable, served_documents
 from knnlm_core.windows import plan_windows, window_values
 
 logger = logging.getLogger("index_builder")
@@ -137,8 +137,7 @@ def add_documents(
 def refuse_duplicates(table: DocumentTable, manifest: Manifest, new: DocumentTable) -> None:
     """A document the datastore already serves (same text, by sha256) is not added twice: its
     entries would double its weight in p_kNN."""
-    forgotten = {record.document for record in manifest.forgotten}
-    served = {sha: document for document, sha in enumerate(table.sha256) if document not in forgotten}
+    served = served_documents(table, manifest)
     for n, sha in enumerate(new.sha256):
         if sha in served:
             where = new.describe(n)

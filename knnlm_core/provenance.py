@@ -115,6 +115,12 @@ class DocumentTable:
         }
 
 
+def served_documents(table: DocumentTable, manifest: Manifest) -> dict[str, int]:
+    """sha256 of each document's text -> its number, for the documents the datastore serves (not forgotten)."""
+    forgotten = {record.document for record in manifest.forgotten}
+    return {sha: document for document, sha in enumerate(table.sha256) if document not in forgotten}
+
+
 class Provenance:
     """A datastore's entries, documents and their tokens, for explaining neighbours."""
 

@@ -109,12 +109,9 @@ def corpus_files(paths: list[Path]) -> list[Path]:
 def stored_hashes(datastore: Path) -> set[str]:
     """The sha256 of every document a datastore serves (not those its build held out or it forgot)."""
     from knnlm_core.datastore import read_manifest
-    from knnlm_core.provenance import PROVENANCE, DocumentTable
+    from knnlm_core.provenance import PROVENANCE, DocumentTable, served_documents
 
-    manifest = read_manifest(datastore)
-    table = DocumentTable.read(Path(datastore) / PROVENANCE)
-    forgotten = {record.document for record in manifest.forgotten}
-    return {sha for document, sha in enumerate(table.sha256) if document not in forgotten}
+    return set(served_documents(DocumentTable.read(Path(datastore) / PROVENANCE), read_manifest(datastore)))
 
 
 def generate_items(
