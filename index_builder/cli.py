@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     forget.add_argument("--document", type=int, action="append", default=[], help="a document's number (as explanations show it)")
     forget.add_argument("--source", action="append", default=[], help="every document of this source file")
     forget.add_argument("--id", action="append", default=[], help="the document with this .jsonl id")
+    forget.add_argument(
+        "--erase", action="store_true", help="also take its entries' codes out of the index files now (default: kept until compact)"
+    )
 
     compact = commands.add_parser(
         "compact", help="fold added shards and forgotten documents' tombstones into a plain datastore (resumable, atomic)"
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "forget":
             from index_builder.forget import forget_documents
 
-            _, records = forget_documents(args.datastore, documents=args.document, sources=args.source, ids=args.id)
+            _, records = forget_documents(args.datastore, documents=args.document, sources=args.source, ids=args.id, erase=args.erase)
             print(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
         elif args.command == "compact":
             from index_builder.compact import compact_datastore

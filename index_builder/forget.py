@@ -3,8 +3,11 @@
 Each forgotten document's entries become tombstones (knnlm_core/tombstones.py): no search or
 pointer lookup finds them again. Their stored tokens (values, kept keys, the document's first
 token) are overwritten in new files, so neither the documents route nor a snippet can show the
-text; the index files keep their codes until `knnlm-index compact`. The manifest keeps an audit
-record of each: the document, its source, the sha256 of its text, and when.
+text. The index files keep their codes until `knnlm-index compact`, unless `erase` takes them out
+now (index_builder/erase.py), in the same new version. Either way, the server's own copies of the
+document's text (knnlm_core/added_texts.py) are erased; the user's own source files are not
+touched. The manifest keeps an audit record of each: the document, its source, the sha256 of its
+text, when, and what was erased.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
+import faiss
 import numpy as np
 
+from index_builder.erase import check_erasable, erase_entries
 from index_builder.versions import link_version, prepare_workdir, publish, read_with_documents, replace_array, workdir
+from knnlm_core.added_texts import erase_records, is_server_copy
 from knnlm_core.datastore import file_entry, load_document_starts, write_manifest
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.manifest import ForgetRecord, Manifest
@@ -59,9 +65,15 @@ def find_documents(
 
 
 def forget_documents(
-    path: str | Path, *, documents: Iterable[int] = (), sources: Iterable[str] = (), ids: Iterable[str] = ()
+    path: str | Path,
+    *,
+    documents: Iterable[int] = (),
+    sources: Iterable[str] = (),
+    ids: Iterable[str] = (),
+    erase: bool = False,
 ) -> tuple[Manifest, list[ForgetRecord]]:
-    """Publish the datastore at `path` without the named documents; the new manifest and its new audit records."""
+    """Publish the datastore at `path` without the named documents (with `erase`, without their
+    codes in the index files either); the new manifest and its new audit records."""
     started = time.monotonic()
     root, manifest = read_with_documents(path, "forget documents")
     table = DocumentTable.read(root / manifest.provenance.path, manifest.model.vocab_size)
@@ -75,6 +87,8 @@ def forget_documents(
             f"forgetting {len(chosen)} document(s) would leave datastore {root.name} none: unload or delete it instead",
             ErrorKind.INVALID,
         )
+    if erase:
+        check_erasable(manifest.index.factory, manifest.dim)
     at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     records = [
         ForgetRecord(
@@ -89,12 +103,22 @@ def forget_documents(
         for d in chosen
     ]
     work = workdir(root)
-    prepare_workdir(work, {"job": "forget", "base": manifest.checksum, "documents": chosen})
+    prepare_workdir(work, {"job": "forget", "base": manifest.checksum, "documents": chosen, "erase": erase})
     link_version(root, work, manifest)
-    shards = [_scrubbed_shard(work, shard, first, records) for shard, first in zip(manifest.shards, shard_first_ids(manifest))]
+    firsts = shard_first_ids(manifest)
+    shards = [_scrubbed_shard(work, shard, first, records, erase) for shard, first in zip(manifest.shards, firsts)]
     for d in chosen:
         table.first_token[d] = 0
     table.write(work / PROVENANCE)
+    records = [
+        r.model_copy(
+            update={
+                "erased_codes": [s.name for s, f in zip(manifest.shards, firsts) if _overlap(r, f, s.entries)] if erase else [],
+                "erased_texts": _erase_server_copy(table, r),
+            }
+        )
+        for r in records
+    ]
     new = manifest.model_copy(
         update={"shards": shards, "provenance": file_entry(work, work / PROVENANCE), "forgotten": [*manifest.forgotten, *records]}
     )
@@ -110,10 +134,16 @@ def forget_documents(
     return new, records
 
 
-def _scrubbed_shard(work: Path, shard, first: int, records: list[ForgetRecord]):
-    """The shard's entry, with new values (and kept keys) files where a forgotten document's entries lie."""
-    ranges = [(max(lo, first) - first, min(hi, first + shard.entries) - first) for lo, hi in (r.entries for r in records)]
-    ranges = [(lo, hi) for lo, hi in ranges if lo < hi]
+def _overlap(record: ForgetRecord, first: int, entries: int) -> tuple[int, int] | None:
+    """The record's entries in the shard holding ids [first, first + entries), as local ids; None if none."""
+    lo, hi = max(record.entries[0], first) - first, min(record.entries[1], first + entries) - first
+    return (lo, hi) if lo < hi else None
+
+
+def _scrubbed_shard(work: Path, shard, first: int, records: list[ForgetRecord], erase: bool):
+    """The shard's entry, with new values (and kept keys) files where a forgotten document's entries
+    lie, and with `erase` a new index file without them."""
+    ranges = [r for r in (_overlap(record, first, shard.entries) for record in records) if r is not None]
     if not ranges:
         return shard
     update = {}
@@ -126,4 +156,20 @@ def _scrubbed_shard(work: Path, shard, first: int, records: list[ForgetRecord]):
             array[lo:hi] = 0
         replace_array(work / entry.path, array)
         update[field] = file_entry(work, work / entry.path)
+    if erase:
+        path = work / shard.index.path
+        index = faiss.read_index(str(path))
+        update["removed"] = shard.removed + erase_entries(index, ranges)
+        tmp = path.with_name(f".{path.name}.tmp")
+        faiss.write_index(index, str(tmp))
+        os.replace(tmp, path)  # a new inode: the serving version's file is untouched
+        update["index"] = file_entry(work, path)
     return shard.model_copy(update=update)
+
+
+def _erase_server_copy(table: DocumentTable, record: ForgetRecord) -> list[str]:
+    """Erase the document's record from the texts file the server kept for it, if its source is one."""
+    source = os.path.join(table.root, record.source)
+    if record.line is None or not is_server_copy(source) or not erase_records(Path(source), {record.line}):
+        return []
+    return [f"{record.source}:{record.line}"]

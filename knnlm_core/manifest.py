@@ -33,6 +33,7 @@ class ShardEntry(_Record):
     index: FileEntry
     values: FileEntry
     keys: FileEntry | None = None
+    removed: int = 0  # entries an erasing forget took out of an IVF index's lists: its ids span entries, it holds fewer
 
 
 class ModelIdentity(_Record):
@@ -143,8 +144,9 @@ class Calibration(_Record):
 
 
 class ForgetRecord(_Record):
-    """An audit line of `knnlm-index forget`: which document, and when; never its text. Its entries
-    [first, end) stay in the shard files, masked from every search and lookup, until `compact`."""
+    """An audit line of `knnlm-index forget`: which document, when, and which copies were erased;
+    never its text. Its entries [first, end) are masked from every search and lookup; their codes
+    stay in the index files until `compact`, unless the forget erased them (`erased_codes`)."""
 
     document: int
     source: str
@@ -153,6 +155,8 @@ class ForgetRecord(_Record):
     sha256: str  # of the document's text, to show which text it was
     entries: tuple[int, int]
     at: str
+    erased_codes: list[str] = []  # shards whose index files no longer hold its entries (`forget --erase`)
+    erased_texts: list[str] = []  # the server's copies of its text that were erased ("source:line")
 
 
 class AddRecord(_Record):

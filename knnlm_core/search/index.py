@@ -53,6 +53,8 @@ def faiss_search(
 ) -> tuple[np.ndarray, np.ndarray]:
     """FAISS's (distances, ids) [n, min(k, N)], with the nprobe and subset `search_index` takes;
     with an IVF index's `centroids`, its coarse step by torch where that is faster (`coarse_by_torch`)."""
+    if index.ntotal == 0:  # every entry erased (forget --erase)
+        return np.empty((len(queries), 0), np.float32), np.empty((len(queries), 0), np.int64)
     bitmap = np.packbits(np.asarray(keep, dtype=bool), bitorder="little") if keep is not None else None
     selector = faiss.IDSelectorBitmap(len(keep), faiss.swig_ptr(bitmap)) if keep is not None else None  # one bit test a code
     params = None

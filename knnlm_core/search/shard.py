@@ -39,8 +39,11 @@ class ShardSearcher:
         self.keep = keep  # False: a forgotten document's entry (knnlm_core/tombstones.py), never found
         index = faiss.read_index(str(root / shard.index.path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if mmap else 0)
         self.values = np.ascontiguousarray(load_values(root / shard.values.path), dtype=np.int32)
-        if len(self.values) != index.ntotal:
-            raise DatastoreError(f"shard {shard.name}: {index.ntotal} keys but {len(self.values)} values; rebuild the datastore")
+        if len(self.values) != index.ntotal + shard.removed:
+            raise DatastoreError(
+                f"shard {shard.name}: {index.ntotal} keys ({shard.removed} erased) but {len(self.values)} values; rebuild the datastore"
+            )
+        self.removed = shard.removed  # entries an erasing forget took out of the IVF lists: their ids are gaps
         self.on_gpu = gpu_available() if use_gpu is None else use_gpu
         self.fast_scan = is_fast_scan(index)
         if self.on_gpu and self.fast_scan:
@@ -58,7 +61,7 @@ class ShardSearcher:
             self._gpu_resources = faiss.StandardGpuResources()  # must outlive the GPU index
             index = faiss.index_cpu_to_gpu(self._gpu_resources, 0, index)
         self.index = index
-        self.ntotal = index.ntotal
+        self.ntotal = len(self.values)  # the shard's id range, erased entries included
         self.dim = index.d
         self._placed: np.ndarray | None = None  # fast-scan shards: each entry's (list << 32 | offset), made at the first lookup
 
@@ -111,7 +114,9 @@ class ShardSearcher:
         if not self.fast_scan:
             ivf = ivf_of(self.index)
             if ivf is not None and ivf.direct_map.type == faiss.DirectMap.NoMap:
-                ivf.make_direct_map()  # IVF lists reconstruct through it (8 bytes an entry, made once)
+                # IVF lists reconstruct through it, made once: an array (8 bytes an entry) while the
+                # ids are 0..ntotal-1, a hash table once an erase left gaps
+                ivf.set_direct_map_type(faiss.DirectMap.Hashtable if self.removed else faiss.DirectMap.Array)
             return self.index.reconstruct_batch(local_ids)
         ivf = faiss.downcast_index(ivf_of(self.index))
         placed = self._place()[local_ids]
@@ -126,13 +131,17 @@ class ShardSearcher:
         return _untransformed(self.index, keys)
 
     def _place(self) -> np.ndarray:
-        """A fast-scan shard's entries' places in their IVF lists, (list << 32 | offset): a copy of
-        FAISS's direct map (8 bytes an entry), made once; the map itself is dropped."""
+        """A fast-scan shard's entries' places in their IVF lists, (list << 32 | offset), -1 for an
+        erased entry: read from the lists' ids once (8 bytes an entry)."""
         if self._placed is None:
             ivf = ivf_of(self.index)
-            ivf.make_direct_map()
-            self._placed = faiss.vector_to_array(ivf.direct_map.array)
-            ivf.set_direct_map_type(faiss.DirectMap.NoMap)
+            placed = np.full(self.ntotal, -1, dtype=np.int64)
+            for number in range(ivf.nlist):
+                size = ivf.invlists.list_size(number)
+                if size:
+                    ids = faiss.rev_swig_ptr(ivf.invlists.get_ids(number), size)
+                    placed[ids] = (number << 32) | np.arange(size, dtype=np.int64)
+            self._placed = placed
         return self._placed
 
     def _scan_candidates(self, queries: np.ndarray, local: np.ndarray) -> np.ndarray:
