@@ -16,15 +16,11 @@ import os
 from pathlib import Path
 
 from knnlm_core.files import write_text_atomic
+from knnlm_core.provenance import DocumentTable
 
 logger = logging.getLogger(__name__)
 
 ADDED_TEXTS = ".knnlm-added"
-
-
-def texts_folder(datastore_root: str | Path, name: str) -> Path:
-    """Where the server keeps the texts added to the datastore served as `name`."""
-    return Path(datastore_root) / ADDED_TEXTS / name
 
 
 def is_server_copy(path: str | Path) -> bool:
@@ -50,6 +46,16 @@ def erase_records(path: Path, lines: set[int]) -> bool:
     else:
         os.unlink(path)
     return True
+
+
+def served_records(table: DocumentTable, forgotten: set[int]) -> dict[str, set[int]]:
+    """Each source file of the table (resolved path) -> the .jsonl lines of its documents that serve."""
+    served: dict[str, set[int]] = {}
+    for d in range(len(table)):
+        lines = served.setdefault(str(Path(table.root, table.sources[table.source[d]]).resolve()), set())
+        if d not in forgotten and table.line[d] is not None:
+            lines.add(table.line[d])
+    return served
 
 
 def orphaned_records(folder: Path, named: dict[str, set[int]]) -> tuple[list[Path], dict[Path, set[int]]]:

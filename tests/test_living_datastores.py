@@ -293,5 +293,7 @@ def test_an_hnsw_store_refuses_to_erase_in_place_names_compact_and_changes_nothi
     root = build(corpus, tiny_model_dir, tmp_path / "ds", index="hnsw")
     before = digest(root)
     result = knnlm_index("forget", str(root), "--document", "1", "--erase")
-    assert result.returncode == 1 and "IndexHNSWFlat index (HNSW32) cannot erase" in result.stderr and "compact" in result.stderr, result.stderr
+    assert result.returncode == 1 and "IndexHNSWFlat index (HNSW32) cannot erase" in result.stderr and "compact" in result.stderr, (
+        result.stderr
+    )
     assert digest(root) == before and not (tmp_path / ".ds.partial").exists()

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,12 +110,18 @@ def test_compiled_and_plain_calls_answer_as_in_process(stores, retriever):
         assert retriever.compiled_shards(info) == info.shards and plain.compiled_shards(info) == []
 
 
+def process_state(pid: int) -> str:
+    """The process's state letter in /proc (R running, S sleeping, T stopped, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_stopped_shard_misses_the_deadline_and_rejoins(stores, retriever, ray_session):
     info, actors = stores["two"]
     compiled(retriever, info)
     pid = ray_session.get(actors[0][0].describe.remote())["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
+        until(lambda: process_state(pid) == "T", timeout=10)  # stopped before the first step, not by chance
         for step in range(3):  # its graph times out, then plain calls do
             start = time.monotonic()
             result = retriever.search(info, queries(), K, None)
@@ -273,6 +280,7 @@ def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, grap
     pid = ray_session.get(actors[0][0].describe.remote())["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
+        until(lambda: process_state(pid) == "T", timeout=10)  # stopped before the first step, not by chance
         took = []
         for step in range(6):
             start = time.monotonic()

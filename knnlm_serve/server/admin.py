@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException
+from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict
 
 from knnlm_core.config import KeyType
@@ -33,7 +33,7 @@ from knnlm_core.errors import DatastoreError, ErrorKind, KnnlmError
 from knnlm_serve.app_state import published_registry
 from knnlm_serve.engine.vllm_adapter import ATTACH, SET_RUNTIME, WORKER_STATE
 from knnlm_serve.runtime import Runtime
-from knnlm_serve.server.admin_access import admin_registry, check_name, resolve_in_root
+from knnlm_serve.server.admin_access import admin_registry, check_name, parse_body, resolve_in_root
 from knnlm_serve.server.http_errors import STATUS, http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
@@ -71,7 +71,8 @@ def list_datastores(registry: DatastoreRegistry = Depends(admin_registry)) -> di
 
 
 @router.post("/datastores")
-def load_datastore(body: LoadRequest, registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
+def load_datastore(raw: dict | None = Body(None), registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
+    body = _admin_call(registry, parse_body, LoadRequest, raw)
     _admin_call(registry, check_name, body.name)
     path = _admin_call(registry, resolve_in_root, registry.config.datastore_root, body.path)
     try:
@@ -82,7 +83,8 @@ def load_datastore(body: LoadRequest, registry: DatastoreRegistry = Depends(admi
 
 
 @router.put("/default")
-def set_default(body: DefaultRequest, registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
+def set_default(raw: dict | None = Body(None), registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
+    body = _admin_call(registry, parse_body, DefaultRequest, raw)
     _admin_call(registry, registry.set_default, body.name)
     return {"default": body.name}
 
@@ -154,3 +156,9 @@ class KnnAdminPlugin:
         state.knnlm_registry = registry
         registry.connect(VllmEngineLink(engine_client, asyncio.get_running_loop()), model_cpus(attached))
         logger.info("kNN attached to %d worker(s): %s", len(attached), attached)
+        from knnlm_serve.server.document_admin import sweep_added_texts
+
+        try:
+            sweep_added_texts(registry)
+        except (OSError, KnnlmError) as e:  # the server serves without it; the next start sweeps again
+            logger.warning("could not sweep the added texts below knn.datastore_root: %s", e)

@@ -1,18 +1,21 @@
-"""Who may use the admin API, and where its paths may point: shared by its routes."""
+"""Who may use the admin API, where its paths may point, and its bodies' checks: shared by its routes."""
 
 from __future__ import annotations
 
 import hmac
 import os
 from pathlib import Path
+from typing import TypeVar
 
 from fastapi import Header, HTTPException, Request
+from pydantic import BaseModel, ValidationError
 
 from knnlm_core.config import datastore_name_problem
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve.server.registry import DatastoreRegistry
 
 ADMIN_TOKEN_ENV = "KNNLM_ADMIN_TOKEN"
+M = TypeVar("M", bound=BaseModel)
 
 
 def admin_registry(request: Request, x_admin_token: str | None = Header(None)) -> DatastoreRegistry:
@@ -44,3 +47,15 @@ def resolve_in_root(root: str | None, path: str) -> Path:
 def check_name(name: str) -> None:
     if problem := datastore_name_problem(name):
         raise KnnlmError(f"name: {problem}", ErrorKind.MALFORMED)
+
+
+def parse_body(model: type[M], body: object) -> M:
+    """An admin route's JSON body as `model`; a 400 naming the field otherwise (vLLM's own handler
+    drops field names it mistakes for pydantic's internals, such as `default`)."""
+    try:
+        return model.model_validate(body if body is not None else {})
+    except ValidationError as e:
+        error = e.errors()[0]
+        field = ".".join(str(part) for part in error["loc"]) or "the body"
+        shown = repr(error.get("input"))
+        raise KnnlmError(f"{field}: {error['msg']} (got {shown[:80] + '...' if len(shown) > 80 else shown})", ErrorKind.MALFORMED) from None

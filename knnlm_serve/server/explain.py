@@ -35,7 +35,7 @@ from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.manifest import MANIFEST
 from knnlm_core.provenance import Provenance
 from knnlm_serve.engine.explanations import MAX_REQUESTS
-from knnlm_serve.engine.request_params import MAX_EXPLAIN_TOP, KnnParamError, parse_knobs, with_defaults
+from knnlm_serve.engine.request_params import MAX_EXPLAIN_TOP, KnnParamError, parse_knobs, raw_type_error, with_defaults
 from knnlm_serve.engine.vllm_adapter import TAKE_EXPLANATION
 from knnlm_serve.server.http_errors import http_error
 
@@ -118,6 +118,8 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
     from vllm import SamplingParams
 
     engine = request.app.state.engine_client
+    if (error := raw_type_error(body.vllm_xargs)) is not None:  # as the completion routes check them (server/knob_types.py)
+        raise error
     xargs = dict(body.vllm_xargs)
     top = xargs.pop("knn_explain", 5)
     if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= MAX_EXPLAIN_TOP:
