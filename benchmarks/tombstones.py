@@ -1,19 +1,20 @@
-"""Forgetting by tombstone against physical removal, and what tombstones cost a search: the
-measurements behind `knnlm-index forget`'s design and `compact`'s threshold.
+"""Forgetting by tombstone against erasing, and what tombstones cost a search: the measurements
+behind `knnlm-index forget`'s design, its `--erase`, and `compact`'s threshold.
 
     .venv/bin/python benchmarks/tombstones.py          # ~15 min on 2 CPU cores, ~8 GB of /tmp
+    .venv/bin/python benchmarks/tombstones.py --no-search --out benchmarks/results/forget_erase.json
 
 Two synthetic stores of `--entries` keys (Gaussian, 576-d, SmolLM2's width) in 4 shards, one
 exact (flat) and one 4-bit fast-scan IVF-PQ (the `auto` index at this size), with documents of
 1,000 entries. For each, in one run:
   * forget one document (`forget_documents`: values rewritten, manifest, atomic swap) and load
     the new version as a server does (`DatastoreRegistry.load`: checks, hashing the files it has
-    not hashed, opening the shards in-process, a probe), against removing its entries from its
-    shard's index physically (FAISS `remove_ids`, the shard written and hashed again);
-  * one shard's search at batch 32, k 1024 (nprobe 32), with 0, 1, 5, 10, 30 and 50% of its
-    entries tombstoned, as a ratio to the same search without a mask (medians of interleaved
-    repeats).
-Writes benchmarks/results/tombstones.json.
+    not hashed, opening the shards in-process, a probe); then forget another with `erase=True`
+    (its entries also leave the shard's index file, which is written again) and load that;
+  * unless --no-search, one shard's search at batch 32, k 1024 (nprobe 32), with 0, 1, 5, 10, 30
+    and 50% of its entries tombstoned, as a ratio to the same search without a mask (medians of
+    interleaved repeats).
+Writes benchmarks/results/tombstones.json (or --out).
 """
 
 from __future__ import annotations
@@ -29,14 +30,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-import faiss  # noqa: E402
 from run_record import run_record  # noqa: E402
 
 from index_builder.build import build_from_keys, document_starts  # noqa: E402
 from index_builder.forget import forget_documents  # noqa: E402
 from knnlm_core.config import BuildConfig, KnnConfig  # noqa: E402
 from knnlm_core.datastore import file_entry, read_manifest, write_manifest  # noqa: E402
-from knnlm_core.files import sha256_file  # noqa: E402
 from knnlm_core.manifest import ModelIdentity  # noqa: E402
 from knnlm_core.provenance import PROVENANCE, DocumentTable  # noqa: E402
 from knnlm_core.search import open_shards  # noqa: E402
@@ -61,19 +60,6 @@ def with_documents(root: Path, entries: int) -> None:
             update={"documents": file_entry(root, root / "documents.npy"), "provenance": file_entry(root, root / PROVENANCE)}
         ),
     )
-
-
-def physical_removal(root: Path, shard: str, lo: int, hi: int) -> float:
-    """Read one shard's index, remove ids [lo, hi) from it, write and hash it: seconds."""
-    started = time.monotonic()
-    index = faiss.read_index(str(root / shard / "index.faiss"))
-    removed = index.remove_ids(faiss.IDSelectorRange(lo, hi))
-    assert removed == hi - lo, removed
-    faiss.write_index(index, str(root / shard / "removed.faiss"))
-    sha256_file(root / shard / "removed.faiss")
-    seconds = time.monotonic() - started
-    (root / shard / "removed.faiss").unlink()
-    return seconds
 
 
 def timed(fn, *args, **kwargs) -> float:
@@ -115,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--entries", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--no-search", action="store_true", help="time the forgets only, not tombstones' search cost")
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-tombstones"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tombstones.json")
     args = parser.parse_args()
@@ -139,19 +126,20 @@ def main() -> None:
         build_from_keys(keys, values, root, model, config, source="synthetic", overwrite=True, progress=False)
         with_documents(root, args.entries)
         document = args.entries // DOCUMENT // 10  # in shard-000 (the first quarter)
-        lo, hi = document * DOCUMENT, (document + 1) * DOCUMENT
-        removal = physical_removal(root, "shard-000", lo, hi)
         registry = DatastoreRegistry(KnnConfig(backend="local"), served, None)
         first_load = timed(registry.load, name, root)
         forget = timed(forget_documents, root, documents=[document])
         reload = timed(registry.load, name, root)
+        erase = timed(forget_documents, root, documents=[document + 1], erase=True)
+        erase_reload = timed(registry.load, name, root)
         report["stores"][name] = {
             "index": factory,
             "forget_tombstone_s": forget,
-            "load_s": {"first": first_load, "after_forget": reload},
+            "forget_erase_s": erase,
+            "load_s": {"first": first_load, "after_forget": reload, "after_erase": erase_reload},
             "forget_to_serving_s": round(forget + reload, 3),
-            "physical_removal_one_shard_s": round(removal, 3),
-            "search_with_tombstones": search_costs(root, args.repeats),
+            "erase_to_serving_s": round(erase + erase_reload, 3),
+            **({} if args.no_search else {"search_with_tombstones": search_costs(root, args.repeats)}),
         }
         print(name, json.dumps(report["stores"][name]), flush=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -3,16 +3,23 @@ beside it), under traffic: real server, Ray shard actors with replicas, flat and
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import uuid
+from pathlib import Path
 
+import numpy as np
+import psutil
 import pytest
 import requests
 from conftest import TINY_SERVER, admin_knn, continuations, greedy, stream_while, until
 from test_index_builder import write_corpus
+from test_living_datastores import document_keys, held_near, nearest
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
+from knnlm_core.datastore import read_manifest
 from knnlm_serve.server.process import RunningServer
 
 pytestmark = pytest.mark.slow
@@ -151,3 +158,113 @@ def test_bad_document_requests_get_a_clear_4xx_and_change_nothing(server, ids, m
     assert response.status_code == status and message in response.text, response.text
     assert listed(server, "flat")["version"] == version
     assert len(answer(server, ids, "flat")) == LENGTH  # still serving
+
+
+def files_holding(root: Path, data: bytes) -> list[str]:
+    """Every file below `root` (hidden ones too) whose bytes contain `data`."""
+    return [str(p.relative_to(root)) for p in sorted(root.rglob("*")) if p.is_file() and data in p.read_bytes()]
+
+
+def job_of(server, response) -> dict:
+    assert response.status_code == 202, response.text
+    job = response.json()
+    until(lambda: admin(server, "GET", f"/jobs/{job['id']}").json()["state"] != "running", 300, "the job never finished")
+    return admin(server, "GET", f"/jobs/{job['id']}").json()
+
+
+@pytest.mark.parametrize("name, erase", [("flat", True), ("pq", False)])
+def test_a_forgotten_secret_leaves_no_copy_below_the_datastore_root(server, root, tiny_model_dir, name, erase):
+    secret = f"The override passphrase for vault {uuid.uuid4().hex} is {uuid.uuid4().hex}."
+    texts = [{"text": secret, "id": f"secret-{name}"}]
+    added = admin(server, "POST", f"/datastores/{name}/documents", texts=texts)
+    refused = admin(server, "POST", f"/datastores/{name}/documents", texts=texts)  # while the add holds the slot
+    assert refused.status_code == 429, refused.text
+    job = job_of(server, added)
+    assert job["state"] == "done", job["error"]
+    document = job["record"]["first_document"]
+    assert files_holding(root, secret.encode()) != []  # the check below can fail: the server keeps the texts while served
+    duplicate = job_of(server, admin(server, "POST", f"/datastores/{name}/documents", texts=texts))
+    assert duplicate["state"] == "failed" and "already in the datastore" in duplicate["error"]
+    keys = document_keys(tiny_model_dir, secret)[1:]  # the first key follows "The" alone, as other documents' do
+    if erase:
+        assert held_near(root / name, keys).all()
+
+    response = admin(server, "DELETE", f"/datastores/{name}/documents/{document}?erase={str(erase).lower()}")
+
+    assert response.status_code == 200, response.text
+    record = response.json()["record"]
+    assert response.json()["untouched"] == [] and len(record["erased_texts"]) == 1
+    assert files_holding(root, secret.encode()) == []
+    assert (record["erased_codes"] != []) == erase
+    if erase:  # its key vectors (recomputed with the model) are in no shard file of the serving version
+        assert not held_near(root / name, keys).any()
+    assert not (root / f".{name}.partial").exists()
+
+
+def add_children() -> list[psutil.Process]:
+    """Running `knnlm-index add` processes (the admin route's jobs)."""
+    return [p for p in psutil.process_iter(["cmdline"]) if "index_builder.cli" in (p.info["cmdline"] or []) and "add" in p.info["cmdline"]]
+
+
+def test_a_killed_add_leaves_no_texts_file_and_no_work_directory(server, root):
+    folder = root / ".knnlm-added/flat"
+    before = set(folder.glob("*")) if folder.exists() else set()
+    response = admin(server, "POST", "/datastores/flat/documents", texts=[{"text": FACT.replace("zebra", "ocelot"), "id": "killed"}])
+    assert response.status_code == 202, response.text
+    children = []
+    until(lambda: children.extend(add_children()) or children, 60, "the add's child process never started")
+    assert set(folder.glob("*")) - before  # its texts file was written
+    children[0].kill()
+    job = job_of(server, response)
+    assert job["state"] == "failed"
+    assert set(folder.glob("*")) == before and not (root / ".flat.partial").exists()
+
+
+def test_the_compact_route_serves_what_knnlm_index_compact_makes_under_sixteen_streaming_clients(server, root, ids):
+    copy = root / "pq-compacted-offline"
+    shutil.copytree(root / "pq", copy)
+    assert listed(server, "pq")["forgotten"] > 0  # tombstones to fold (from the forgets above)
+    offline = subprocess.run([sys.executable, "-m", "index_builder.cli", "compact", str(copy), "--quiet"], capture_output=True, text=True)
+    assert offline.returncode == 0, offline.stderr
+    version = listed(server, "pq")["version"]
+    jobs = []
+
+    results, errors = stream_while(
+        server,
+        ids["prompt"],
+        LENGTH,
+        lambda: jobs.append(job_of(server, admin(server, "POST", "/datastores/pq/compact"))),
+        xargs={"knn_datastore": "pq"},
+    )
+
+    assert errors == [] and jobs[0]["state"] == "done", jobs[0]["error"]
+    served = listed(server, "pq")
+    assert served["version"] == jobs[0]["version"] == version + 1 and served["forgotten"] == 0 and served["tombstone_share"] == 0
+    manifest, expected = read_manifest(root / "pq"), read_manifest(copy)
+    assert manifest.entries == expected.entries and [s.entries for s in manifest.shards] == [s.entries for s in expected.shards]
+    queries = np.random.default_rng(0).standard_normal((32, manifest.dim)).astype(np.float32)
+    for a, b in zip(nearest(root / "pq", queries, 8), nearest(copy, queries, 8)):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "method, route, body, message",
+    [
+        ("POST", "/datastores", {"name": "flat", "path": "flat", "default": "maybe"}, "default: Input should be a valid boolean"),
+        ("PUT", "/default", {"name": 3}, "name: Input should be a valid string"),
+        ("POST", "/datastores/flat/compact", {"shards": 0}, "shards: Input should be greater than 0"),
+    ],
+    ids=["load-default", "default-name", "compact-shards"],
+)
+def test_admin_body_errors_are_400s_naming_the_field(server, method, route, body, message):
+    response = admin(server, method, route, **body)
+    assert response.status_code == 400 and message in response.text, response.text
+
+
+def test_explain_refuses_a_null_knob_naming_it_as_the_completion_routes_do(server):
+    response = requests.post(
+        f"{server.base_url}/v1/knn/explain",
+        json={"prompt": PREFIX, "vllm_xargs": {"knn_datastore": "flat", "knn_pointers": None}},
+        timeout=60,
+    )
+    assert response.status_code == 400 and "knn_pointers" in response.text, response.text
