@@ -21,7 +21,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from index_builder.build import document_starts, encode_keys, tokenize_corpus
+from index_builder.build import document_starts, encode_keys, load_tokenizer, tokenize_corpus
+from index_builder.passages import grown_passages, passage_rows
 from index_builder.shards import add_shards
 from index_builder.versions import link_version, prepare_workdir, publish, read_with_documents, replace_array, workdir
 from knnlm_core.config import BuildConfig
@@ -110,7 +111,9 @@ def add_documents(
             encode_seconds=round(encode_seconds, 2),
             at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
+        rows = passage_rows(tokens, offsets, load_tokenizer(model_dir), first_document=len(starts) - 1)
         update = {
+            "passages": grown_passages(root, work, manifest, rows),
             "entries": manifest.entries + plan.entries,
             "shards": [*manifest.shards, *new_shards],
             "quantizer": quantizer,

@@ -25,6 +25,7 @@ from tqdm import tqdm
 import knnlm_core
 from index_builder.calibrate import calibrate_on
 from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string
+from index_builder.passages import build_passages
 from index_builder.shards import add_shards, train_once
 from index_builder.versions import prepare_workdir, publish, workdir
 from knnlm_core.config import BuildConfig, KeyType
@@ -97,8 +98,15 @@ def build_datastore(
         manifest = _index_keys(work, keys, window_values(tokens, plan), model, config.key_type, config, corpus, stats, started, progress)
         np.save(work / "documents.npy", document_starts(offsets))
         table.write(work / PROVENANCE)
+        passages = build_passages(
+            work, tokens, offsets, load_tokenizer(model_dir), (heldout.tokens, heldout.offsets) if heldout is not None else None
+        )
         manifest = manifest.model_copy(
-            update={"documents": file_entry(work, work / "documents.npy"), "provenance": file_entry(work, work / PROVENANCE)}
+            update={
+                "documents": file_entry(work, work / "documents.npy"),
+                "provenance": file_entry(work, work / PROVENANCE),
+                "passages": passages,
+            }
         )
         calibration_started = time.monotonic()
         if heldout is not None:
@@ -204,6 +212,12 @@ def _check_output(output: Path, overwrite: bool) -> None:
         raise DatastoreError(f"{output} exists and is not an empty directory; choose another output or pass --overwrite")
 
 
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 def document_starts(offsets: np.ndarray, first_entry: int = 0) -> np.ndarray:
     """documents.npy for documents at token `offsets`: each document of n tokens gives n - 1
     entries (every position but its last), in corpus order, from entry `first_entry`."""
@@ -216,9 +230,7 @@ def tokenize_corpus(work: Path, files: list[Path], model_dir: Path, config: Buil
     stats_file = work / "corpus.json"
     if stats_file.exists():
         return CorpusStats.model_validate_json(stats_file.read_text())
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     skipped: list[str] = []
     lengths, origins, first_tokens = [], [], []
     raw = work / "tokens.bin"

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 from index_builder.add import quantizer_of
+from index_builder.passages import kept_passages
 from index_builder.shards import add_shards
 from index_builder.versions import prepare_workdir, publish, replace_array, workdir
 from knnlm_core.datastore import file_entry, load_document_starts, read_manifest, write_manifest
@@ -59,7 +60,11 @@ def compact_datastore(path: str | Path, shards: int | None = None, progress: boo
             lengths = np.diff(starts)[kept]
             replace_array(work / "documents.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
             DocumentTable.read(root / manifest.provenance.path).select(kept).write(work / PROVENANCE)
-            update |= {"documents": file_entry(work, work / "documents.npy"), "provenance": file_entry(work, work / PROVENANCE)}
+            update |= {
+                "documents": file_entry(work, work / "documents.npy"),
+                "provenance": file_entry(work, work / PROVENANCE),
+                "passages": kept_passages(root, work, manifest, {int(old): new for new, old in enumerate(kept)}),
+            }
         record = CompactRecord(
             at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             removed_entries=manifest.entries - len(values),

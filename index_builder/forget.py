@@ -3,7 +3,8 @@
 Each forgotten document's entries become tombstones (knnlm_core/tombstones.py): no search or
 pointer lookup finds them again. Their stored tokens (values, kept keys, the document's first
 token) are overwritten in new files, so neither the documents route nor a snippet can show the
-text. The index files keep their codes until `knnlm-index compact`, unless `erase` takes them out
+text, and its passages leave the passage index (written anew without them). The index files
+keep their codes until `knnlm-index compact`, unless `erase` takes them out
 now (index_builder/erase.py), in the same new version. Either way, the server's own copies of the
 document's text (knnlm_core/added_texts.py) are erased; the user's own source files are not
 touched. The manifest keeps an audit record of each: the document, its source, the sha256 of its
@@ -23,6 +24,7 @@ import faiss
 import numpy as np
 
 from index_builder.erase import check_erasable, erase_entries
+from index_builder.passages import kept_passages
 from index_builder.versions import link_version, prepare_workdir, publish, read_with_documents, replace_array, workdir
 from knnlm_core.added_texts import erase_records, is_server_copy
 from knnlm_core.datastore import file_entry, load_document_starts, write_manifest
@@ -119,8 +121,14 @@ def forget_documents(
         )
         for r in records
     ]
+    gone = set(already) | set(chosen)
     new = manifest.model_copy(
-        update={"shards": shards, "provenance": file_entry(work, work / PROVENANCE), "forgotten": [*manifest.forgotten, *records]}
+        update={
+            "shards": shards,
+            "provenance": file_entry(work, work / PROVENANCE),
+            "passages": kept_passages(root, work, manifest, {d: d for d in range(len(table)) if d not in gone}),
+            "forgotten": [*manifest.forgotten, *records],
+        }
     )
     write_manifest(work, new)
     publish(work, root)

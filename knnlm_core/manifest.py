@@ -183,6 +183,17 @@ class CompactRecord(_Record):
     seconds: float
 
 
+class PassageIndexEntry(_Record):
+    """The passage index (knnlm_core/passages.py): documents cut into spans for in-context retrieval."""
+
+    file: FileEntry
+    tokens: int  # a passage's length in tokens (a document's last one up to MIN_TAIL_TOKENS more)
+    passages: int
+    gate: float | None  # relevance a best passage needs to go into a prompt; None: not calibrated (no held-out text)
+    gate_heldout_pass: float | None = None  # share of held-out queries (text the store does not hold) the gate lets through,
+    gate_stored_pass: float | None = None  # and of queries cut from stored documents
+
+
 class Manifest(_Record):
     format: Literal["knnlm-datastore"] = FORMAT
     format_version: int = FORMAT_VERSION
@@ -201,6 +212,7 @@ class Manifest(_Record):
     quantizer: FileEntry | None = None  # quantizer.faiss; None: built before it was kept (`add` empties a shard's copy)
     documents: FileEntry | None = None  # documents.npy; None: no document boundaries (no pointer following)
     provenance: FileEntry | None = None  # provenance.json; None: cannot explain its neighbours
+    passages: PassageIndexEntry | None = None  # passages.sqlite; None: built before passages existed (no in-context retrieval)
     additions: list[AddRecord] = []  # `knnlm-index add` runs since the build (or the last compact), oldest first
     forgotten: list[ForgetRecord] = []  # documents forgotten since the build (or the last compact), oldest first
     compactions: list[CompactRecord] = []
@@ -208,7 +220,7 @@ class Manifest(_Record):
 
     def files(self) -> list[FileEntry]:
         """Every data file the manifest lists, with its size and checksum."""
-        extra = (self.quantizer, self.documents, self.provenance)
+        extra = (self.quantizer, self.documents, self.provenance, self.passages.file if self.passages else None)
         return [f for s in self.shards for f in shard_files(s)] + [f for f in extra if f is not None]
 
 

@@ -16,7 +16,7 @@ from knnlm_core.config import AdaptiveLambda, KeyType, KnnConfig
 from knnlm_core.datastore import check_compatible, load_document_starts, read_manifest
 from knnlm_core.errors import DatastoreError
 from knnlm_core.keys import no_ffn_input_error, supports_ffn_input
-from knnlm_core.manifest import Calibration, Manifest, served_nprobe
+from knnlm_core.manifest import Calibration, Manifest, PassageIndexEntry, served_nprobe
 from knnlm_core.model_dir import architecture_of, hidden_size_of, model_fingerprint
 from knnlm_core.tombstones import forgotten_share
 
@@ -96,6 +96,7 @@ class DatastoreInfo(BaseModel):
     tombstone_share: float = 0.0  # the share of entries they hold (knnlm-index compact removes them)
     last_add: str | None = None  # when documents were last added, and forgotten
     last_forget: str | None = None
+    passages: PassageIndexEntry | None = None  # in-context retrieval's passages; None: built before passages existed
 
     @property
     def key(self) -> tuple[str, int]:
@@ -120,6 +121,7 @@ class DatastoreInfo(BaseModel):
             tombstone_share=round(forgotten_share(manifest), 6),
             last_add=manifest.additions[-1].at if manifest.additions else None,
             last_forget=manifest.forgotten[-1].at if manifest.forgotten else None,
+            passages=manifest.passages,
         )
 
 
