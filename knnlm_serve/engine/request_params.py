@@ -20,7 +20,7 @@ which travels to the workers inside `extra_args`; a worker fills the defaults wh
 request's datastore version (`with_defaults`), so a hot-swap in between cannot mix two versions' settings.
 Keys of other plugins pass; a misspelt `knn_*` key is refused rather than silently ignored.
 vLLM coerces `vllm_xargs` values before either sees them (JSON true becomes 1), so the API server
-also checks the types the client sent, in the raw JSON (`raw_type_error`, server/knob_types.py).
+also checks the types the client sent, in the raw JSON (`raw_type_error`, server/admission.py).
 """
 
 from __future__ import annotations

@@ -46,18 +46,27 @@ def _chat_item(tokenizer, item: TaskItem) -> TokenizedItem | None:
 
 
 def score(client, model: str, item: TokenizedItem, xargs: dict) -> ItemScore:
-    body = {"vllm_xargs": xargs}
-    echoed = client.completions.create(
-        model=model, prompt=item.prompt_ids + item.answer_ids, max_tokens=1, temperature=0, echo=True, logprobs=1, extra_body=body
-    )
-    scored = echoed.choices[0].logprobs.token_logprobs[len(item.prompt_ids) : len(item.prompt_ids) + len(item.answer_ids)]
+    """Greedy first: with `knn_context`, its response lists the context's token ids, which the echo
+    request then scores the answer after (the passages are retrieved for the prompt, never the answer)."""
     greedy = client.completions.create(
         model=model,
         prompt=item.prompt_ids,
         max_tokens=len(item.answer_ids),
         temperature=0,
-        extra_body={**body, "return_token_ids": True},
+        extra_body={"vllm_xargs": xargs, "return_token_ids": True},
     )
+    context = ((greedy.model_extra or {}).get("knn_context") or {}).get("token_ids") or []
+    prompt = context + item.prompt_ids
+    echoed = client.completions.create(
+        model=model,
+        prompt=prompt + item.answer_ids,
+        max_tokens=1,
+        temperature=0,
+        echo=True,
+        logprobs=1,
+        extra_body={"vllm_xargs": {k: v for k, v in xargs.items() if k != "knn_context"}},
+    )
+    scored = echoed.choices[0].logprobs.token_logprobs[len(prompt) : len(prompt) + len(item.answer_ids)]
     return ItemScore(float(sum(scored)), list(greedy.choices[0].token_ids) == item.answer_ids)
 
 

@@ -139,14 +139,14 @@ class KnnAdminPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: FastAPI) -> None:
+        from knnlm_serve.server.admission import AdmissionMiddleware
         from knnlm_serve.server.document_admin import router as document_router
         from knnlm_serve.server.explain import router as explain_router
-        from knnlm_serve.server.knob_types import KnobTypesMiddleware
 
         app.include_router(router)
         app.include_router(document_router)
         app.include_router(explain_router)
-        app.add_middleware(KnobTypesMiddleware)
+        app.add_middleware(AdmissionMiddleware)
 
     async def init_state(self, engine_client, state, args) -> None:
         registry = published_registry()

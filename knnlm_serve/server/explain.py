@@ -118,7 +118,7 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
     from vllm import SamplingParams
 
     engine = request.app.state.engine_client
-    if (error := raw_type_error(body.vllm_xargs)) is not None:  # as the completion routes check them (server/knob_types.py)
+    if (error := raw_type_error(body.vllm_xargs)) is not None:  # as the completion routes check them (server/admission.py)
         raise error
     xargs = dict(body.vllm_xargs)
     top = xargs.pop("knn_explain", 5)

@@ -1,0 +1,148 @@
+"""The raw-JSON stage of admission, for the completion and chat routes, before vLLM parses them.
+
+1. The kNN knobs' types as the client sent them. vLLM's request models coerce `vllm_xargs`
+   values (JSON `true` becomes 1, so `"knn_skip_threshold": false` would mean "skip every
+   search"), and our validator only sees the coerced values. A knob of the wrong JSON type is a
+   400 naming the field (engine/request_params.py, `RAW_TYPES`).
+2. In-context passages (server/context.py): with `vllm_xargs.knn_context`, the request's text
+   retrieves passages of its datastore, which go into its prompt; the knob is removed, and the
+   response gets a `knn_context` field naming them.
+Any other request passes through untouched, its body replayed as it came.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.responses import JSONResponse
+
+from knnlm_core.errors import KnnlmError
+from knnlm_serve.engine.request_params import KnnParamError, raw_type_error
+from knnlm_serve.server import context as ctx
+from knnlm_serve.server.http_errors import STATUS
+
+logger = logging.getLogger("knnlm_serve")
+
+CHECKED_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+class AdmissionMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in CHECKED_ROUTES:
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                return await self.app(scope, _replay(message, receive), send)
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        request = _knn_request(body)
+        if request is None:
+            return await self.app(scope, _replay({"type": "http.request", "body": body, "more_body": False}, receive), send)
+        xargs = request["vllm_xargs"]
+        try:
+            if (error := raw_type_error(xargs)) is not None:
+                raise error
+            context = None
+            if ctx.KNOB in xargs:
+                request, context = _with_context(scope["app"].state, request, scope["path"].endswith("chat/completions"))
+        except KnnlmError as e:
+            param = f"vllm_xargs.{e.field}" if isinstance(e, KnnParamError) else f"vllm_xargs.{ctx.KNOB}"
+            content = {"error": {"message": str(e), "type": "BadRequestError", "param": param, "code": STATUS[e.kind]}}
+            return await JSONResponse(content, status_code=STATUS[e.kind])(scope, receive, send)
+        body = json.dumps(request).encode()
+        if context is not None:
+            send = _naming_context(send, context, request.get("stream", False))
+        await self.app(scope, _replay({"type": "http.request", "body": body, "more_body": False}, receive), send)
+
+
+def _knn_request(body: bytes) -> dict | None:
+    """The request, where it has `vllm_xargs` with a kNN knob; None for everything else."""
+    if b"knn" not in body:
+        return None
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None  # vLLM reports malformed JSON itself
+    if not isinstance(request, dict) or not isinstance(request.get("vllm_xargs"), dict):
+        return None
+    return request
+
+
+def _with_context(state, request: dict, chat: bool) -> tuple[dict, dict]:
+    """The request with its passages in the prompt and the knob removed, and what the response says of them."""
+    xargs = dict(request["vllm_xargs"])
+    count = ctx.context_count(xargs)
+    del xargs[ctx.KNOB]
+    request = {**request, "vllm_xargs": xargs}
+    registry = getattr(state, "knnlm_registry", None)
+    if count == 0 or registry is None:
+        return request, None
+    name = xargs.get("knn_datastore") or registry.runtime.default
+    info = registry.runtime.datastores.get(name)
+    if info is None:
+        raise KnnParamError("knn_datastore", name, f"one of {sorted(registry.runtime.datastores)}")
+    tokenizer = ctx.tokenizer_of(str(registry.model.path))
+    tokens = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    query = ctx.query_text(request, chat, tokenizer)
+    prompt_tokens = sum(tokens(m["content"]) for m in request["messages"] if isinstance(m.get("content"), str)) if chat else tokens(query)
+    budget = ctx.token_budget(request, chat, prompt_tokens, state.vllm_config.model_config.max_model_len)
+    context = ctx.retrieve(info, query, count, budget, tokens)
+    from knnlm_serve.server.explain import provenance_of
+
+    request, ids = ctx.with_context(request, chat, context, tokenizer)
+    return request, context.described(provenance_of(info.path).table) | ({"token_ids": ids} if ids else {})
+
+
+def _naming_context(send, described: dict, stream: bool):
+    """`send` with the response's JSON (or a stream's first event) given a `knn_context` field."""
+    state = {"done": False, "headers": None}
+    pending = []
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            if stream:
+                return await send(message)
+            pending.append(message)  # its content-length changes with the body
+            return None
+        if message["type"] != "http.response.body" or state["done"]:
+            return await send(message)
+        body = message.get("body", b"")
+        if stream:
+            if body.startswith(b"data: {"):
+                event = json.loads(body[len(b"data: ") :].split(b"\n\n", 1)[0])
+                rest = body.split(b"\n\n", 1)[1] if b"\n\n" in body else b""
+                body = b"data: " + json.dumps({**event, "knn_context": described}).encode() + b"\n\n" + rest
+                state["done"] = True
+            return await send({**message, "body": body})
+        pending.append(body)
+        if message.get("more_body", False):
+            return None
+        start, *parts = pending
+        whole = b"".join(parts)
+        try:
+            whole = json.dumps({**json.loads(whole), "knn_context": described}).encode()
+        except ValueError:
+            pass  # not JSON: passed on as it is
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(whole)).encode())]})
+        state["done"] = True
+        return await send({"type": "http.response.body", "body": whole, "more_body": False})
+
+    return sending
+
+
+def _replay(first: dict, receive):
+    """`receive` with `first` handed out before anything else."""
+    pending = [first]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed
