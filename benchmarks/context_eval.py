@@ -27,11 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from run_record import run_record  # noqa: E402
-from task_eval import STDLIB_CONTROL, knnlm_eval, networkx_modules, plot, table, write_documents  # noqa: E402
+from task_eval import knnlm_eval, plot, prepare_corpora, table  # noqa: E402
 
-from index_builder.build import build_datastore  # noqa: E402
-from index_builder.default_datastore import MODULES, prepare_default_datastore  # noqa: E402
-from knnlm_core.config import BuildConfig  # noqa: E402
 from knnlm_core.datastore import read_manifest  # noqa: E402
 from knnlm_core.default_model import prepare_default_model  # noqa: E402
 from knnlm_core.passages import PassageIndex  # noqa: E402
@@ -97,19 +94,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    model_dir = prepare_default_model()
-    corpora = {}
-    if "pydocs" in args.corpora:
-        docs, control = write_documents(MODULES, args.work / "pydocs-docs"), write_documents(STDLIB_CONTROL, args.work / "pydocs-control")
-        corpora["pydocs"] = (prepare_default_datastore(model_dir), docs, control)
-    if "networkx" in args.corpora:
-        stored, control_modules = networkx_modules()
-        nx_docs = write_documents(stored, args.work / "networkx-docs")
-        nx_control = write_documents(control_modules, args.work / "networkx-control")
-        nx_store = args.work / "networkx-store"
-        if not (nx_store / "manifest.json").exists():
-            build_datastore([nx_docs], nx_store, model_dir, BuildConfig())
-        corpora["networkx"] = (nx_store, nx_docs, nx_control)
+    corpora = prepare_corpora(args.corpora, args.work, prepare_default_model())
     reports = {name: evaluate_corpus(name, *paths, args.work, args.out, args) for name, paths in corpora.items()}
     result = {
         **record,

@@ -87,6 +87,22 @@ def networkx_modules() -> tuple[list[str], list[str]]:
     return stored, control
 
 
+def prepare_corpora(names: list[str], work: Path, model_dir: Path) -> dict[str, tuple[Path, Path, Path]]:
+    """name -> (datastore, stored documents, control documents), the networkx store built once in `work`."""
+    corpora = {}
+    if "pydocs" in names:
+        docs, control = write_documents(MODULES, work / "pydocs-docs"), write_documents(STDLIB_CONTROL, work / "pydocs-control")
+        corpora["pydocs"] = (prepare_default_datastore(model_dir), docs, control)
+    if "networkx" in names:
+        stored, control_modules = networkx_modules()
+        docs, control = write_documents(stored, work / "networkx-docs"), write_documents(control_modules, work / "networkx-control")
+        store = work / "networkx-store"
+        if not (store / "manifest.json").exists():
+            build_datastore([docs], store, model_dir, BuildConfig())
+        corpora["networkx"] = (store, docs, control)
+    return corpora
+
+
 def knnlm_eval(*args) -> None:
     subprocess.run([sys.executable, "-m", "knnlm_serve.eval.cli", *map(str, args)], check=True)
 
@@ -199,18 +215,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     model_dir = prepare_default_model()
-    corpora = {}
-    if "pydocs" in args.corpora:
-        docs, control = write_documents(MODULES, args.work / "pydocs-docs"), write_documents(STDLIB_CONTROL, args.work / "pydocs-control")
-        corpora["pydocs"] = (prepare_default_datastore(model_dir), docs, control)
+    corpora = prepare_corpora(args.corpora, args.work, model_dir)
     nx_stored, nx_control_modules = networkx_modules()
-    if "networkx" in args.corpora:
-        nx_docs = write_documents(nx_stored, args.work / "networkx-docs")
-        nx_control = write_documents(nx_control_modules, args.work / "networkx-control")
-        nx_store = args.work / "networkx-store"
-        if not (nx_store / "manifest.json").exists():
-            build_datastore([nx_docs], nx_store, model_dir, BuildConfig())
-        corpora["networkx"] = (nx_store, nx_docs, nx_control)
     reports = {
         name: evaluate_corpus(name, datastore, docs, control_docs, args.work, args.out, model_dir, args)
         for name, (datastore, docs, control_docs) in corpora.items()

@@ -73,7 +73,7 @@ def retrieve(info: DatastoreInfo, query: str, count: int, budget: int, count_tok
         raise KnnlmError(
             f"datastore {info.name!r} has no passages (built before in-context retrieval existed): "
             f"rebuild it with `knnlm-index build`, or leave out vllm_xargs.{KNOB}",
-            ErrorKind.INVALID,
+            ErrorKind.MALFORMED,
         )
     found = passage_index(str(Path(info.path) / info.passages.file.path), info.passages.file.sha256).search(query, count)
     gate = info.passages.gate
