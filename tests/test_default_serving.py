@@ -72,7 +72,7 @@ def ask(server, question: str, chat: bool, **xargs):
         text = result.choices[0].message.content
     else:
         prompt = f"Question: {question}\nAnswer:"
-        result = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+        result = client.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0, extra_body=extra)
         text = result.choices[0].text
     return text, (result.model_extra or {}).get("knn_context")
 
@@ -83,9 +83,10 @@ def sources(context) -> list[str]:
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_a_question_only_a_stored_document_answers_is_answered_with_knn_context_naming_the_passage(default_server, chat):
-    without, none = ask(default_server, "Who built the Quellin bridge?", chat)
-    answer, context = ask(default_server, "Who built the Quellin bridge?", chat, knn_context=2)
-    assert "Vosk" in answer and "Vosk" not in without and none is None, (answer, without)
+    # kNN off: kNN in the logits can recall stored text itself (a store this small serves the config's λ)
+    without, none = ask(default_server, "Who built the Quellin bridge?", chat, knn=False)
+    answer, context = ask(default_server, "Who built the Quellin bridge?", chat, knn=False, knn_context=2)
+    assert "Marta" in answer and "Marta" not in without and none is None, (answer, without)
     assert context["datastore"] == "facts" and sources(context)[0] == "quellin.txt"
     assert context["passages"][0]["span"][0] == 0 and context["passages"][0]["document"] >= 0
 
@@ -96,22 +97,22 @@ def test_an_added_document_is_retrieved_and_a_forgotten_one_never_again(default_
             method, f"{default_server.base_url}/v1/knn{route}", json=body or None, headers={"X-Admin-Token": TOKEN}, timeout=120
         )
 
-    question = "Which colour are the doors of the Velmor library?"
-    assert all(p["id"] != "velmor" for p in ask(default_server, question, False, knn_context=3)[1]["passages"])
+    question = "Who founded the Velmor library?"
+    assert all(p["id"] != "velmor" for p in ask(default_server, question, False, knn=False, knn_context=1)[1]["passages"])
     added = admin(
-        "POST", "/datastores/facts/documents", texts=[{"text": "The doors of the Velmor library are painted teal.", "id": "velmor"}]
+        "POST", "/datastores/facts/documents", texts=[{"text": "The Velmor library was founded by the poet Anselm Drey in 1911.", "id": "velmor"}]
     )
     assert added.status_code == 202, added.text
     until(lambda: admin("GET", f"/jobs/{added.json()['id']}").json()["state"] != "running", 300, "the add never finished")
     job = admin("GET", f"/jobs/{added.json()['id']}").json()
     assert job["state"] == "done", job["error"]
-    answer, context = ask(default_server, question, False, knn_context=3)
-    assert context["passages"][0]["id"] == "velmor" and "teal" in answer
+    answer, context = ask(default_server, question, False, knn=False, knn_context=1)
+    assert context["passages"][0]["id"] == "velmor" and "Anselm" in answer, answer
 
     forgot = admin("DELETE", f"/datastores/facts/documents/{job['record']['first_document']}")
 
     assert forgot.status_code == 200, forgot.text
-    _, context = ask(default_server, question, False, knn_context=3)
+    _, context = ask(default_server, question, False, knn_context=8)
     assert all(p["id"] != "velmor" for p in context["passages"])
 
 
@@ -119,7 +120,7 @@ def test_context_that_does_not_fit_the_model_is_left_out_by_the_documented_rule(
     client = default_server.openai_client()
     question = "Question: Who built the Quellin bridge?\nAnswer:"
     prompt_tokens = client.completions.create(model="smollm2", prompt=question, max_tokens=1).usage.prompt_tokens
-    room = 2048 - prompt_tokens - 20  # leaves the context 20 tokens: less than the header and one passage
+    room = 2048 - prompt_tokens - 6  # leaves the context 6 tokens: less than the header and any passage
     result = client.completions.create(
         model="smollm2",
         prompt=question,
