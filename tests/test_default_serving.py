@@ -100,7 +100,9 @@ def test_an_added_document_is_retrieved_and_a_forgotten_one_never_again(default_
     question = "Who founded the Velmor library?"
     assert all(p["id"] != "velmor" for p in ask(default_server, question, False, knn=False, knn_context=1)[1]["passages"])
     added = admin(
-        "POST", "/datastores/facts/documents", texts=[{"text": "The Velmor library was founded by the poet Anselm Drey in 1911.", "id": "velmor"}]
+        "POST",
+        "/datastores/facts/documents",
+        texts=[{"text": "The Velmor library was founded by the poet Anselm Drey in 1911.", "id": "velmor"}],
     )
     assert added.status_code == 202, added.text
     until(lambda: admin("GET", f"/jobs/{added.json()['id']}").json()["state"] != "running", 300, "the add never finished")
