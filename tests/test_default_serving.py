@@ -91,6 +91,22 @@ def test_a_question_only_a_stored_document_answers_is_answered_with_knn_context_
     assert context["passages"][0]["span"][0] == 0 and context["passages"][0]["document"] >= 0
 
 
+def test_a_streamed_answer_names_its_passages_in_the_first_event(default_server):
+    stream = default_server.openai_client().completions.create(
+        model="smollm2",
+        prompt="Question: Who built the Quellin bridge?\nAnswer:",
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        extra_body={"vllm_xargs": {"knn_datastore": "facts", "knn": False, "knn_context": 2}},
+    )
+    events = list(stream)
+    assert sources(events[0].model_extra["knn_context"])[0] == "quellin.txt"
+    assert all("knn_context" not in (e.model_extra or {}) for e in events[1:]) and "Marta" in "".join(
+        e.choices[0].text for e in events if e.choices
+    )
+
+
 def test_an_added_document_is_retrieved_and_a_forgotten_one_never_again(default_server, root):
     def admin(method, route, **body):
         return requests.request(

@@ -56,7 +56,8 @@ class AdmissionMiddleware:
             param = f"vllm_xargs.{e.field}" if isinstance(e, KnnParamError) else f"vllm_xargs.{ctx.KNOB}"
             content = {"error": {"message": str(e), "type": "BadRequestError", "param": param, "code": STATUS[e.kind]}}
             return await JSONResponse(content, status_code=STATUS[e.kind])(scope, receive, send)
-        body = json.dumps(request).encode()
+        if ctx.KNOB in xargs:  # the body changed: the knob is gone, the prompt may hold passages
+            body = json.dumps(request).encode()
         if context is not None:
             send = _naming_context(send, context, request.get("stream", False))
         await self.app(scope, _replay({"type": "http.request", "body": body, "more_body": False}, receive), send)
