@@ -72,6 +72,9 @@ FALLBACKS = Counter(
     "unhealthy: the datastore version was stopped after repeated errors)",
     ["datastore", "reason"],
 )
+CONTEXT_FAILURES = Counter(
+    "knnlm_context_failures", "requests served without in-context passages because retrieving them failed", ["datastore"]
+)
 REQUESTS = Counter("knnlm_requests", "requests admitted, by datastore ('none' = kNN off)", ["datastore"])
 DATASTORE_INFO = Gauge(
     "knnlm_datastore_info",

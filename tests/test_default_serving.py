@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import inspect
+import shutil
 from pathlib import Path
 
 import pytest
@@ -64,7 +65,7 @@ def test_default_datastore_pulls_completions_onto_the_documentation(default_serv
 
 def ask(server, question: str, chat: bool, **xargs):
     """Greedy answer to `question` from the facts datastore (completion or chat), and the response's knn_context."""
-    client, extra = server.openai_client(), {"vllm_xargs": {"knn_datastore": "facts", **xargs}}
+    client, extra = server.openai_client(), {"vllm_xargs": {"knn_datastore": "facts"} | xargs}
     if chat:
         result = client.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=16, temperature=0, extra_body=extra
@@ -158,3 +159,22 @@ def test_a_bad_knn_context_is_a_400_naming_it(default_server, value):
         timeout=60,
     )
     assert response.status_code == 400 and "knn_context" in response.text, response.text
+
+
+def test_a_damaged_passage_file_serves_the_request_without_passages_and_counts_it(default_server, root):
+    shutil.copytree(root / "facts", root / "facts-damaged")
+    loaded = requests.post(
+        f"{default_server.base_url}/v1/knn/datastores",
+        json={"name": "damaged", "path": "facts-damaged"},
+        headers={"X-Admin-Token": TOKEN},
+        timeout=120,
+    )
+    assert loaded.status_code == 200, loaded.text
+    file = root / "facts-damaged/passages.sqlite"
+    file.write_bytes(b"\0" * file.stat().st_size)  # damaged after the load's checks, its size kept
+
+    answer, context = ask(default_server, "Who built the Quellin bridge?", False, knn=False, knn_context=2, knn_datastore="damaged")
+
+    assert answer and context["passages"] == [] and "retrieval failed" in context["error"]
+    metrics = requests.get(f"{default_server.base_url}/metrics", timeout=30).text
+    assert 'knnlm_context_failures_total{datastore="damaged"} 1.0' in metrics

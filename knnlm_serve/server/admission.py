@@ -17,7 +17,8 @@ import logging
 
 from starlette.responses import JSONResponse
 
-from knnlm_core.errors import KnnlmError
+from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KnnParamError, raw_type_error
 from knnlm_serve.server import context as ctx
 from knnlm_serve.server.http_errors import STATUS
@@ -94,11 +95,24 @@ def _with_context(state, request: dict, chat: bool) -> tuple[dict, dict]:
     query = ctx.query_text(request, chat, tokenizer)
     prompt_tokens = sum(tokens(m["content"]) for m in request["messages"] if isinstance(m.get("content"), str)) if chat else tokens(query)
     budget = ctx.token_budget(request, chat, prompt_tokens, state.vllm_config.model_config.max_model_len)
-    context = ctx.retrieve(info, query, count, budget, tokens)
+    if info.passages is None:
+        raise KnnlmError(
+            f"datastore {info.name!r} has no passages (built before in-context retrieval existed): "
+            f"rebuild it with `knnlm-index build`, or leave out vllm_xargs.{ctx.KNOB}",
+            ErrorKind.MALFORMED,
+        )
     from knnlm_serve.server.explain import provenance_of
 
+    try:
+        context = ctx.retrieve(info, query, count, budget, tokens)
+        described = context.described(provenance_of(info.path).table)
+    except Exception as e:  # noqa: BLE001 - fail open: the request is served without passages, counted
+        logger.warning("in-context retrieval from datastore %r failed, served without passages: %s", info.name, e)
+        metrics.CONTEXT_FAILURES.labels(info.name).inc()
+        context = ctx.Context(info.name, [], 0, 0, error=f"retrieval failed: {type(e).__name__}")
+        described = context.described(None)
     request, ids = ctx.with_context(request, chat, context, tokenizer)
-    return request, context.described(provenance_of(info.path).table) | ({"token_ids": ids} if ids else {})
+    return request, described | ({"token_ids": ids} if ids else {})
 
 
 def _naming_context(send, described: dict, stream: bool):

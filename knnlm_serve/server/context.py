@@ -13,7 +13,9 @@ a system message at the start (after an existing system message's text). They mu
 completion (`max_tokens`, or `CHAT_RESERVE` where a chat sets none) within `max_model_len`, less
 `TEMPLATE_RESERVE` tokens for a chat template; passages are taken whole while they fit, the
 rest left out. The response names the passages used in a `knn_context` field (OpenAI clients
-ignore it). The knob is removed before vLLM parses the request.
+ignore it). The knob is removed before vLLM parses the request. A retrieval that fails (a
+damaged passage file) serves the request without passages, says so in that field and counts it
+(`knnlm_context_failures_total`): it never fails the request.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Context:
     passages: list[Passage]
     gated: int  # passages retrieved but at or below the relevance gate
     truncated: int  # passages that passed the gate but did not fit
+    error: str | None = None  # why none were retrieved (the request was served without them)
 
     def text(self) -> str:
         return HEADER + "".join(p.text.strip() + "\n\n" for p in self.passages) if self.passages else ""
@@ -56,7 +59,8 @@ class Context:
                 {"passage": p.id, "document": p.document, "source": where["source"], "id": where["id"], "span": [p.start, p.stop]}
                 | {"relevance": round(p.relevance, 4)}
             )
-        return {"datastore": self.datastore, "passages": used, "gated": self.gated, "truncated": self.truncated}
+        described = {"datastore": self.datastore, "passages": used, "gated": self.gated, "truncated": self.truncated}
+        return described | ({"error": self.error} if self.error else {})
 
 
 def context_count(xargs: dict) -> int:
@@ -69,12 +73,6 @@ def context_count(xargs: dict) -> int:
 
 def retrieve(info: DatastoreInfo, query: str, count: int, budget: int, count_tokens) -> Context:
     """Up to `count` passages of the datastore for `query` that pass its gate and fit `budget` tokens."""
-    if info.passages is None:
-        raise KnnlmError(
-            f"datastore {info.name!r} has no passages (built before in-context retrieval existed): "
-            f"rebuild it with `knnlm-index build`, or leave out vllm_xargs.{KNOB}",
-            ErrorKind.MALFORMED,
-        )
     found = passage_index(str(Path(info.path) / info.passages.file.path), info.passages.file.sha256).search(query, count)
     gate = info.passages.gate
     relevant = [p for p in found if gate is None or p.relevance > gate]
