@@ -1,9 +1,8 @@
 """The API-server process's one datastore registry, published once by the launcher.
 
-vLLM builds the HTTP app and calls our endpoint plugin and request validator itself, so neither can
-be handed the registry as an argument. The launcher publishes it here once, before vLLM starts;
-the admin plugin moves it onto the app's state for its routes, and the validator (which vLLM
-calls with the sampling parameters alone) reads it here.
+vLLM builds the HTTP app and calls our endpoint plugin itself, so it cannot be handed the
+registry as an argument. The launcher publishes it here once, before vLLM starts; the admin
+plugin moves it onto the app's state for its routes and admission.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The vLLM seam's units without an engine: rows -> requests, BatchUpdate tracking, version pinning,
-request knobs, and the FFN-input rule, against recorded batches."""
+"""The vLLM seam's units without an engine: rows -> requests, request tracking, version pinning,
+pointer state under speculation, request knobs, and the FFN-input rule, against recorded batches."""
 
 from __future__ import annotations
 
@@ -8,12 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vllm import SamplingParams
-from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from knnlm_core.config import KnnConfig
 from knnlm_core.keys import ffn_module
-from knnlm_serve.engine.batch_requests import BatchRequests
+from knnlm_serve.engine.batch_requests import BatchRequest, BatchRequests, LastNeighbours
 from knnlm_serve.engine.request_params import WIRE_KEY, KnnParamError, parse_knobs, with_defaults
 from knnlm_serve.engine.rows import prompt_rows, sampling_rows
 from knnlm_serve.runtime import DatastoreInfo, Runtime
@@ -44,12 +42,17 @@ def parse_knn_params(args: dict | None, rt: Runtime):
     return with_defaults(parse_knobs(args, rt.datastores, rt.knn.max_k), rt)
 
 
-def added(slot: int, **xargs):
-    return (slot, SamplingParams(extra_args=xargs or None), [1, 2, 3], [])
+class Runner:
+    """What the adapter reads of vLLM's runner: the requests it holds, by id."""
 
+    def __init__(self, **requests: dict | None):
+        self.requests = {request_id: BatchRequest(xargs, [], [1, 2, 3]) for request_id, xargs in requests.items()}
 
-def update(batch_size: int, removed=(), add=(), moved=()) -> BatchUpdate:
-    return BatchUpdate(batch_size=batch_size, removed=list(removed), added=list(add), moved=list(moved))
+    def read(self, request_id: str) -> BatchRequest:
+        return self.requests[request_id]
+
+    def batch(self) -> BatchRequests:
+        return BatchRequests(lambda: self.requests.keys())
 
 
 # A recorded step: 3 requests with 5, 1 and 3 scheduled tokens (one prefill chunk, two decodes).
@@ -67,42 +70,58 @@ def test_prompt_logprob_rows_map_to_the_request_owning_the_tokens():
     assert prompt_rows(QUERY_START_LOC, 3, first_token=0, count=4).slot.tolist() == [0, 0, 0, 0]
 
 
-def test_batch_update_add_remove_move_and_swap():
-    batch, rt = BatchRequests(), runtime(info("a", 1), info("b", 1))
-    batch.apply(update(3, add=[added(0, knn_datastore="a"), added(1, knn_datastore="b"), added(2, knn=False)]))
-    assert [batch.resolve(s, rt).params.datastore for s in range(3)] == ["a", "b", None]
-    batch.apply(update(3, moved=[(0, 1, MoveDirectionality.SWAP)]))
-    assert [batch.resolve(s, rt).params.datastore for s in range(2)] == ["b", "a"]
-    batch.apply(update(2, removed=[0], moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))  # condense: 2 -> 0
-    assert batch.resolve(0, rt).params.datastore is None and batch.resolve(1, rt).params.datastore == "a"
-    batch.apply(None)  # no change this step
-    assert batch.resolve(1, rt).params.datastore == "a"
+def test_under_speculation_a_request_has_a_row_per_draft_token_and_one_more():
+    rows = sampling_rows(QUERY_START_LOC, 3, drafts=np.array([0, 0, 2]))  # the third request was fed 2 drafts
+    assert rows.token_index.tolist() == [4, 5, 6, 7, 8] and rows.slot.tolist() == [0, 1, 2, 2, 2]
+    assert rows.draft.tolist() == [0, 0, 0, 1, 2]
+
+
+def test_requests_are_read_once_and_forgotten_when_the_runner_drops_them():
+    runner, rt = Runner(a={"knn_datastore": "a"}, b={"knn_datastore": "b"}, c={"knn": False}), runtime(info("a", 1), info("b", 1))
+    batch = runner.batch()
+    assert [batch.resolve(i, rt, runner.read).params.datastore for i in "abc"] == ["a", "b", None]
+    del runner.requests["a"]
+    batch.forget_finished()
+    assert len(batch) == 2 and batch.pinned_versions() == {("b", 1)}
 
 
 def test_a_request_keeps_the_version_it_started_on_through_a_hot_swap():
-    batch = BatchRequests()
-    batch.apply(update(1, add=[added(0)]))
-    assert batch.resolve(0, runtime(info("a", 1))).pinned.version == 1
+    runner = Runner(a=None)
+    batch = runner.batch()
+    assert batch.resolve("a", runtime(info("a", 1)), runner.read).pinned.version == 1
     swapped = runtime(info("a", 2))
-    assert batch.resolve(0, swapped).pinned.version == 1  # still running: still v1
-    batch.apply(update(2, add=[added(1)]))
-    assert batch.resolve(1, swapped).pinned.version == 2  # started after the swap
+    assert batch.resolve("a", swapped, runner.read).pinned.version == 1  # still running: still v1
+    runner.requests["b"] = BatchRequest(None)
+    assert batch.resolve("b", swapped, runner.read).pinned.version == 2  # started after the swap
     assert batch.pinned_versions() == {("a", 1), ("a", 2)}
-    batch.apply(update(1, removed=[0]))
+    del runner.requests["a"]
     assert batch.pinned_versions() == {("a", 2)}  # v1 is free to be released
 
 
 def test_a_request_that_arrives_after_an_unload_is_not_pinned():
-    batch = BatchRequests()
-    batch.apply(update(1, add=[added(0, knn_lambda=0.5)]))
-    request = batch.resolve(0, Runtime(knn=KnnConfig(), datastores={}, default="gone"))
+    runner = Runner(a={"knn_lambda": 0.5})
+    request = runner.batch().resolve("a", Runtime(knn=KnnConfig(), datastores={}, default="gone"), runner.read)
     assert request.params.active and request.pinned is None
 
 
 def test_bad_knobs_in_an_offline_request_serve_lm_only():
-    batch = BatchRequests()
-    batch.apply(update(1, add=[added(0, knn_lambda=7)]))
-    assert not batch.resolve(0, runtime(info("a", 1))).params.active
+    runner = Runner(a={"knn_lambda": 7})
+    assert not runner.batch().resolve("a", runtime(info("a", 1)), runner.read).params.active
+
+
+def test_pointers_follow_the_row_after_the_last_accepted_draft():
+    """A step fed 3 drafts after 5 output tokens kept its 4 rows' neighbours; the rejection
+    sampler accepted 2 and sampled one more token: the next step follows the neighbours of the row
+    whose context held exactly the 2 accepted drafts, with the token sampled there."""
+    drafts = (101, 102, 99)
+    neighbours = [LastNeighbours(np.array([10 * j]), np.array([j]), 5 + j, drafts[:j]) for j in range(4)]
+    request = BatchRequest(None, output_tokens=[7] * 5, last=neighbours)
+    request.output_tokens += [101, 102, 103]  # 2 accepted drafts and the token sampled after them
+    last, token = request.last_sampled()
+    assert last is neighbours[2] and token == 103
+    request.output_tokens.append(104)  # one more token, as if from a step not seen: the row with 3 drafts had 99, not 103
+
+    assert request.last_sampled() is None
 
 
 CONFIG = runtime(info("wiki", 1), info("code", 1)).model_copy(update={"knn": KnnConfig(k=16, max_k=64)})
@@ -164,11 +183,9 @@ def test_knobs_parsed_at_admission_take_the_defaults_of_the_version_pinned_later
     version's calibrated defaults, never a mix of the old version's defaults and the new store."""
     v1 = runtime(info("a", 1)).model_copy(update={"knn": KnnConfig(k=8, max_k=64, overrides={"a": {"k": 4}})})
     knobs = parse_knobs({"knn_temperature": 2.0}, v1.datastores, v1.knn.max_k)
-    sampling = SamplingParams(extra_args={"other_plugin_knob": 1, WIRE_KEY: knobs.wire()})
+    runner = Runner(a={"other_plugin_knob": 1, WIRE_KEY: knobs.wire()})
     v2 = runtime(info("a", 2)).model_copy(update={"knn": KnnConfig(k=8, max_k=64, overrides={"a": {"k": 32}})})
-    batch = BatchRequests()
-    batch.apply(update(1, add=[(0, sampling, [1, 2, 3], [])]))
-    request = batch.resolve(0, v2)
+    request = runner.batch().resolve("a", v2, runner.read)
     assert (request.pinned.version, request.params.k, request.params.temperature) == (2, 32, 2.0)
 
 
@@ -285,17 +302,3 @@ def test_workers_get_no_admin_token_and_no_datastore_root():
     pushed = registry.runtime.model_dump_json()  # what every vLLM worker receives (vllm_adapter.knnlm_attach / set_runtime)
     assert "s3cret-admin-token" not in pushed and "/srv/datastores-root" not in pushed
     assert registry.config.admin_token == "s3cret-admin-token"  # the API server keeps it
-
-
-def test_a_failed_batch_update_forgets_the_batch_instead_of_stopping_the_engine():
-    from knnlm_serve.engine.plugin import KnnRequestTracker
-
-    tracker = KnnRequestTracker(None, "cpu", False)
-    tracker.update_state(update(1, add=[added(0, knn=True)]))
-    assert len(tracker.batch) == 1
-    tracker.update_state(update(1, add=[("not", "a", "request")]))  # as if vLLM had changed its format
-    assert len(tracker.batch) == 0  # its requests are served as plain vLLM would
-    assert tracker.batch.resolve(0, runtime(info("wiki", 1))).params.active is False
-    tracker.faults.fail_open = False  # the test suite's servers: loud
-    with pytest.raises(ValueError):
-        tracker.update_state(update(1, add=[("not", "a", "request")]))

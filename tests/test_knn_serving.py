@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -348,6 +349,38 @@ def test_compiled_graphs_serve_what_plain_calls_serve(knn_server, fast_server, t
             np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4)
     assert all(graph_after[n] > graph_before[n] for n in graph_after), (graph_before, graph_after)
     assert call_after == call_before  # no step fell back to plain calls
+
+
+@pytest.fixture(scope="module")
+def speculating_server(knn_server, tiny_model_dir, tmp_path_factory):
+    """The reference server's datastores and settings, with vLLM's prompt-lookup (`ngram`)
+    speculative decoding, and searches started mid-forward (knn.overlap, the default)."""
+    drafts = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    knn = {**knn_server.config["knn"], "overlap": True}
+    config = {**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn, "vllm_args": ["--speculative-config", json.dumps(drafts)]}
+    with RunningServer(config, tmp_path_factory.mktemp("speculating")) as server:
+        yield server
+
+
+def test_speculative_decoding_serves_what_is_served_without_it(knn_server, speculating_server, token_ids):
+    """Every draft row gets its own search (or pointers, from the row before it), so vLLM verifies
+    the drafts against the kNN-LM itself: the same tokens and logprobs as decoding without drafts,
+    with kNN off, the defaults, λ 1, pointers and a batch mixing datastores and knobs. The prompt
+    holds the memorised text, so prompt lookup has drafts to propose, and they are accepted."""
+    prompt = token_ids["a"] + token_ids["a"][1 : len(PREFIX.split()) + 2]
+    requests = [{}, *MIXED_REQUESTS, {"knn_datastore": "a", "knn_lambda": 1.0, "knn_pointers": 1}]
+    expected = [complete(knn_server, prompt, **x) for x in requests]
+    server = speculating_server
+    accepted = lambda: metric_total(scrape_metrics(server.base_url), r"vllm:spec_decode_num_accepted_tokens_total")  # noqa: E731
+    before = accepted()
+    alone = [complete(server, prompt, **x) for x in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda x: complete(server, prompt, **x), requests))
+    for want, *got in zip(expected, alone, together):
+        for choice in got:
+            assert choice.token_ids == want.token_ids
+            np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4)
+    assert accepted() - before >= len(requests)  # drafts were verified and accepted, not just proposed
 
 
 def rows_counted(server, send) -> tuple[float, float]:

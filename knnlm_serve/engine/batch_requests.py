@@ -1,19 +1,20 @@
-"""The requests in vLLM's persistent batch, by slot, with each one's kNN settings and pinned version.
+"""The requests the model runner holds, by request id, with each one's kNN settings, pinned
+version and last neighbours.
 
-vLLM hands every logits processor a `BatchUpdate` before each step (requests added to, removed
-from and moved within the batch, with their `SamplingParams`); slot i is logits row i of the
-step's sampling call. A request's defaults are filled, and its datastore version pinned, the first
-time it reaches a step: a hot-swap never changes a running request's datastore, and a step never
-mixes versions for one request.
+The adapter reads each request's vLLM state (its `extra_args` and token lists) from the runner
+the first time one of its rows reaches a step (vllm_adapter.StepView.request). Its defaults are
+filled and its datastore version pinned then: a hot-swap never changes a running request's
+datastore, and a step never mixes versions for one request. A request the runner no longer holds
+is forgotten at the next step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import numpy as np
-from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
 
 from knnlm_serve.engine.request_params import LM_ONLY, KnnParamError, KnnParams, RequestKnobs, with_defaults
 from knnlm_serve.runtime import DatastoreInfo, Runtime
@@ -23,72 +24,65 @@ logger = logging.getLogger("knnlm_serve")
 
 @dataclass
 class LastNeighbours:
-    """A request's neighbours at its last sampling row, for pointer following at the next one."""
+    """A request's neighbours at one sampling row, for pointer following at the row after it."""
 
     ids: np.ndarray  # int64 global entry ids (-1: padding)
     tokens: np.ndarray  # int32 their values
-    outputs: int  # how many tokens the request had generated then
+    outputs: int  # how many tokens the row's context held past the prompt (drafts included)
+    drafts: tuple[int, ...] = ()  # the draft tokens among them, last in its context
 
 
 @dataclass
 class BatchRequest:
     extra_args: dict | None
-    output_tokens: list[int] = field(default_factory=list)  # vLLM's own list, appended as tokens are sampled
+    output_tokens: list[int] = field(default_factory=list)  # vLLM's own list, extended as tokens are accepted
     prompt_tokens: list[int] | None = None  # vLLM's own list (None: a prompt of embeddings)
     params: KnnParams | None = None  # set at the request's first step
     pinned: DatastoreInfo | None = None  # the version serving then; None when kNN is off
-    last: LastNeighbours | None = None
+    last: list[LastNeighbours] = field(default_factory=list)  # its rows' neighbours at its last sampling step
 
-    def sampled_since(self, last: LastNeighbours | None) -> int | None:
-        """The token sampled from the row that had `last` as neighbours, if that was the previous sampling row."""
-        if last is None or len(self.output_tokens) != last.outputs + 1:
-            return None
-        return self.output_tokens[-1]
+    def last_sampled(self) -> tuple[LastNeighbours, int] | None:
+        """The neighbours of the row that the request's newest token was sampled from, and that
+        token, if the row was in its last sampling step (under speculation: the row after its last
+        accepted draft)."""
+        outputs = len(self.output_tokens) - 1
+        for last in self.last:
+            accepted = self.output_tokens[outputs - len(last.drafts) : outputs]
+            if last.outputs == outputs and tuple(accepted) == last.drafts:
+                return last, self.output_tokens[-1]
+        return None
 
 
 class BatchRequests:
-    def __init__(self) -> None:
-        self._slots: dict[int, BatchRequest] = {}
+    def __init__(self, live: Callable[[], Collection[str]]) -> None:
+        self._requests: dict[str, BatchRequest] = {}
+        self._live = live  # the ids of the requests the runner holds now
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._requests)
 
-    def clear(self) -> None:
-        """Forget every request: each is then served as plain vLLM would (`resolve`)."""
-        self._slots.clear()
+    def forget_finished(self) -> None:
+        live = self._live()
+        if any(request_id not in live for request_id in self._requests):
+            self._requests = {i: r for i, r in self._requests.items() if i in live}
 
-    def apply(self, update: BatchUpdate | None) -> None:
-        """vLLM's documented order: removed, then added, then moved."""
-        if update is None:
-            return
-        for slot in update.removed:
-            self._slots.pop(slot, None)
-        for slot, sampling_params, prompt_tokens, output_tokens in update.added:
-            self._slots[slot] = BatchRequest(sampling_params.extra_args, output_tokens, prompt_tokens)
-        for a, b, direction in update.moved:
-            if direction == MoveDirectionality.SWAP:
-                self._slots[a], self._slots[b] = self._slots.get(b), self._slots.get(a)
-                self._slots = {s: r for s, r in self._slots.items() if r is not None}
-            else:
-                request = self._slots.pop(a, None)
-                if request is not None:
-                    self._slots[b] = request
-
-    def resolve(self, slot: int, runtime: Runtime) -> BatchRequest:
-        """The request in `slot`, its settings filled in and its version pinned if this is its first step."""
-        request = self._slots.get(slot)
-        if request is None:  # not announced by a BatchUpdate: serve it as plain vLLM would
-            return BatchRequest(None, params=LM_ONLY)
+    def resolve(self, request_id: str, runtime: Runtime, read: Callable[[str], BatchRequest]) -> BatchRequest:
+        """The request, its settings filled in and its version pinned if this is its first step;
+        `read` makes it from vLLM's state the first time."""
+        request = self._requests.get(request_id)
+        if request is None:
+            request = self._requests[request_id] = read(request_id)
         if request.params is None:
             try:
                 knobs = RequestKnobs.from_extra_args(request.extra_args, runtime.datastores, runtime.knn.max_k)
                 request.params = with_defaults(knobs, runtime)
             except KnnParamError as e:  # the API server rejects these; offline callers may not
-                logger.warning("a request in slot %d is served LM-only: %s", slot, e)
+                logger.warning("request %s is served LM-only: %s", request_id, e)
                 request.params = LM_ONLY
             if request.params.active:
                 request.pinned = runtime.datastores.get(request.params.datastore)
         return request
 
     def pinned_versions(self) -> set[tuple[str, int]]:
-        return {r.pinned.key for r in self._slots.values() if r.pinned is not None}
+        self.forget_finished()
+        return {r.pinned.key for r in self._requests.values() if r.pinned is not None}

@@ -1,19 +1,24 @@
 """kNN-LM in a vLLM worker: from one `compute_logits` call to the mixed logits, top to bottom.
 
 Per call (one per step for the sampling rows, one per request for prompt-logprob rows):
-  1. rows: each logits row's token in the step and its request's batch slot (vllm_adapter);
+  1. rows: each logits row's token in the step and its request's batch slot (vllm_adapter); under
+     speculative decoding a request has a sampling row per draft token and one more;
   2. plan: each row's kNN settings and pinned datastore version (batch_requests), and the rows of
      active requests grouped by pinned version;
   3. per group: the rows the LM is not confident on (knn_mixer.rows_to_search; the others keep
      p_LM), their keys (capture), their neighbours and λ, τ (knn_mixer.start/finish, on the first
      tensor-parallel rank only, shared with the others): the k nearest from that version's
-     shards, or for a sampling row whose last step's neighbours predicted the token it was fed,
+     shards, or for a sampling row whose previous row's neighbours predicted the token it was fed,
      those neighbours' successors (pointer following); then p_kNN mixed into those rows'
      logits in place, at their neighbours' tokens only, so that their softmax is
      λ·p_kNN + (1−λ)·p_LM (knn_mixer.mix). Sampling rows keep their neighbours for the next step.
+A request's previous row is its row before in this step (the draft before), or the row of its
+last step it sampled its newest token from: rows that may follow pointers are served in rounds,
+one draft position at a time, so each row sees what decoding without drafts would have shown it,
+and vLLM's rejection sampler verifies the drafts against the kNN-LM's own distribution.
 With knn.overlap, steps 1-2 and the start of the search happen earlier, mid-forward (key_ready),
-for every active sampling row; the call then applies the skip rule and collects the answers.
-vLLM computes sample and prompt logprobs from what this returns, so clients see the mixture.
+for the first round's active sampling rows; the call then applies the skip rule and collects the
+answers. vLLM computes sample and prompt logprobs from what this returns, so clients see the mixture.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ class StepPlan:
     rows: LogitsRows
     params: list[KnnParams]
     requests: list[BatchRequest]
-    last: list[LastNeighbours | None]  # each row's request's last neighbours, before this step
+    last: list[LastNeighbours | None]  # each sampling row's previous row's neighbours (filled round by round)
+    fed: list[int | None]  # each sampling row's newest context token, which `last` may have predicted
     groups: dict[tuple[str, int], list[int]]
     versions: dict[tuple[str, int], DatastoreInfo]
     started: dict[tuple[str, int], PendingRows | None] = field(default_factory=dict)  # searches begun mid-forward
@@ -56,13 +62,13 @@ class StepPlan:
 
 
 class KnnLogits:
-    def __init__(self, runtime: Runtime, batch: BatchRequests, faults: Faults, capture: KeyCapture, step):
+    def __init__(self, runtime: Runtime, capture: KeyCapture, step):
         self.runtime = runtime
-        self.batch = batch
-        self.faults = faults  # shared with the request tracker: errors here serve rows LM-only (engine/faults.py)
+        self.step = step  # vllm_adapter.StepView: the runner's view of this step
+        self.batch = BatchRequests(step.running)
+        self.faults = Faults()  # errors here serve rows LM-only (engine/faults.py)
         self.faults.fail_open = runtime.knn.fail_open
         self.capture = capture
-        self.step = step  # vllm_adapter.StepView: the runner's view of this step
         self.mixer = KnnMixer(make_retriever(runtime.knn, runtime.ray_address))
         self.explanations = ExplanationLog()
         self._begun: StepPlan | None = None  # this step's sampling rows, planned and searching since key_ready
@@ -100,8 +106,9 @@ class KnnLogits:
             if info.key_type != "ffn_input" or key in self.faults.unhealthy:  # a `final` key does not exist yet
                 continue
             try:
-                keys = ffn_input[torch.as_tensor(rows.token_index[group], device=ffn_input.device)]
-                plan.started[key] = self._start(plan, group, info, keys) if self.step.tp_rank == 0 else None
+                first = self._rounds(plan, group)[0]
+                keys = ffn_input[torch.as_tensor(rows.token_index[first], device=ffn_input.device)]
+                plan.started[key] = self._start(plan, first, info, keys) if self.step.tp_rank == 0 else None
             except Exception as e:  # noqa: BLE001 - fail open: these rows are served LM-only
                 self.faults.failed("key_ready", e, len(group), key)
                 plan.started[key] = e
@@ -157,31 +164,52 @@ class KnnLogits:
         return logits
 
     def _serve(self, plan: StepPlan, key, group: list[int], logits: torch.Tensor, hidden_states: torch.Tensor, evidence) -> None:
-        """One datastore version's rows: the skip rule, their neighbours (collected if begun
-        mid-forward, else searched now), and the mix into `logits` in place."""
-        info, params, requests, rows = plan.versions[key], plan.params, plan.requests, plan.rows
+        """One datastore version's rows: the skip rule, their neighbours round by round (the first
+        collected if begun mid-forward, else searched now), and the mix into `logits` in place."""
+        info, params, rows = plan.versions[key], plan.params, plan.rows
         if evidence:
             evidence.skipped(group, info)
         log_z, top = self.mixer.lm_confidence(logits, group)
         kept = self.mixer.rows_to_search(top, [params[r] for r in group], info.name)
-        searched = [group[i] for i in kept]
-        begun = key in plan.started
-        if begun:  # begun mid-forward: collected even if every row was skipped
-            found = self.step.on_first_rank(self.mixer.finish, plan.started.pop(key), kept)
-        if not searched:
-            return
-        if not begun:
-            token_index = torch.as_tensor(rows.token_index[searched], device=hidden_states.device)
-            keys = self.capture.keys(info.key_type, token_index, hidden_states[searched])
-            found = self.step.on_first_rank(self._search, plan, searched, info, keys)
-        if evidence:
-            evidence.found(searched, info, found)
-        if found is None:
-            return
-        self.mixer.mix(logits, searched, log_z[kept], found, info.name)
-        if rows.sampling:
-            for i, r in enumerate(searched):
-                requests[r].last = LastNeighbours(found.ids[i], found.tokens[i], len(requests[r].output_tokens))
+        at = {r: i for i, r in enumerate(group)}
+        to_search = {group[i] for i in kept}
+        for i, members in enumerate(self._rounds(plan, group)):
+            searched = [r for r in members if r in to_search]
+            if i == 0 and key in plan.started:  # begun mid-forward: collected even if every row was skipped
+                found = self.step.on_first_rank(self.mixer.finish, plan.started.pop(key), [members.index(r) for r in searched])
+            elif searched:
+                token_index = torch.as_tensor(rows.token_index[searched], device=hidden_states.device)
+                keys = self.capture.keys(info.key_type, token_index, hidden_states[searched])
+                found = self.step.on_first_rank(self._search, plan, searched, info, keys)
+            if not searched:
+                continue
+            if evidence:
+                evidence.found(searched, info, found)
+            if found is None:
+                continue
+            self.mixer.mix(logits, searched, log_z[[at[r] for r in searched]], found, info.name)
+            if rows.sampling:
+                self._remember(plan, searched, found)
+
+    @staticmethod
+    def _rounds(plan: StepPlan, group: list[int]) -> list[list[int]]:
+        """The group's rows in the order pointer following needs: a row that may follow pointers
+        waits for its previous row's neighbours (one round per draft position); the others all go
+        in the first round."""
+        rounds: dict[int, list[int]] = {}
+        for r in group:
+            rounds.setdefault(int(plan.rows.draft[r]) if plan.params[r].min_pointers else 0, []).append(r)
+        return [rounds[j] for j in sorted(rounds)]
+
+    def _remember(self, plan: StepPlan, searched: list[int], found: Neighbours) -> None:
+        """Keep the sampling rows' neighbours: for the request's next step, and for its next row in this one."""
+        draft, slot = plan.rows.draft, plan.rows.slot
+        for i, r in enumerate(searched):
+            request, fed = plan.requests[r], tuple(self.step.drafts(int(slot[r]))[: draft[r]]) if draft[r] else ()
+            last = LastNeighbours(found.ids[i], found.tokens[i], len(request.output_tokens) + len(fed), fed)
+            request.last.append(last)
+            if r + 1 < len(draft) and draft[r + 1] == draft[r] + 1:
+                plan.last[r + 1] = last
 
     def _drain(self, plan: StepPlan, key: tuple[str, int] | None = None) -> None:
         """Collect and drop the searches begun mid-forward (of one version, or all) that were not
@@ -196,15 +224,22 @@ class KnnLogits:
 
     def _plan(self, rows: LogitsRows) -> StepPlan:
         """Resolve each row's request (pinning its version at its first step) and group the rows
-        of active requests by version. Sampling rows hand their request's last neighbours over."""
-        plan = StepPlan(rows, [], [], [], {}, {})
-        for row, slot in enumerate(rows.slot.tolist()):
-            request = self.batch.resolve(slot, self.runtime)
+        of active requests by version. A request's first sampling row takes over its last
+        step's neighbours."""
+        self.batch.forget_finished()
+        plan = StepPlan(rows, [], [], [], [], {}, {})
+        for row, (slot, draft) in enumerate(zip(rows.slot.tolist(), rows.draft.tolist())):
+            request = self.batch.resolve(self.step.request_id(slot), self.runtime, self.step.request)
             plan.params.append(request.params)
             plan.requests.append(request)
-            plan.last.append(request.last)
-            if rows.sampling:
-                request.last = None  # kept only if this row finds neighbours
+            last, fed = None, None
+            if rows.sampling and draft == 0:
+                last, fed = request.last_sampled() or (None, None)
+                request.last = []  # this step's rows that find neighbours fill it
+            elif rows.sampling:
+                fed = self.step.drafts(slot)[draft - 1]
+            plan.last.append(last)
+            plan.fed.append(fed)
             if not request.params.active:
                 continue
             if request.pinned is None:  # unloaded between admission and the request's first step
@@ -219,14 +254,14 @@ class KnnLogits:
 
     def _start(self, plan: StepPlan, group: list[int], info: DatastoreInfo, keys: torch.Tensor) -> PendingRows:
         """Send the rows' queries (or their pointers' successors) to the version's shards."""
-        candidates = [self._pointers(plan.requests[r], plan.last[r], info) if plan.rows.sampling else None for r in group]
+        candidates = [self._pointers(plan, r, info) if plan.rows.sampling else None for r in group]
         return self.mixer.start(info, keys.float().cpu().numpy(), [plan.params[r] for r in group], self.runtime, candidates)
 
-    def _pointers(self, request: BatchRequest, last: LastNeighbours | None, info: DatastoreInfo) -> np.ndarray | None:
-        """Successors of the request's last neighbours that predicted the token it sampled from them."""
-        token = request.sampled_since(last)
-        starts = self.mixer.document_starts(info) if request.params.min_pointers else None
-        if token is None or starts is None:
+    def _pointers(self, plan: StepPlan, row: int, info: DatastoreInfo) -> np.ndarray | None:
+        """Successors of the row's previous neighbours that predicted the token it was fed."""
+        last, token = plan.last[row], plan.fed[row]
+        starts = self.mixer.document_starts(info) if plan.params[row].min_pointers else None
+        if last is None or token is None or starts is None:
             return None
         found = last.ids >= 0
         return successors(last.ids[found], last.tokens[found], token, starts)

@@ -15,16 +15,17 @@
 
 A knob the request leaves out takes the datastore's default (runtime.mix_defaults: config
 override, else the datastore's calibration, else the config's default; λ may be adaptive).
-Parsed once, at admission in the API server (a bad value is an HTTP 400), into `RequestKnobs`,
-which travels to the workers inside `extra_args`; a worker fills the defaults when it pins the
-request's datastore version (`with_defaults`), so a hot-swap in between cannot mix two versions' settings.
+Parsed once, at admission in the API server (server/admission.py: a bad value is an HTTP 400),
+from the JSON the client sent, before vLLM's request models coerce it (JSON true would become 1):
+`raw_type_error` checks the types, `parse_knobs` the values. The `RequestKnobs` travel to the
+workers inside `extra_args` (`WIRE_KEY`); a worker fills the defaults when it pins the request's
+datastore version (`with_defaults`), so a hot-swap in between cannot mix two versions' settings.
 Keys of other plugins pass; a misspelt `knn_*` key is refused rather than silently ignored.
-vLLM coerces `vllm_xargs` values before either sees them (JSON true becomes 1), so the API server
-also checks the types the client sent, in the raw JSON (`raw_type_error`, server/admission.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Collection
 from dataclasses import asdict, dataclass
@@ -82,15 +83,16 @@ class RequestKnobs:
     min_pointers: int | None = None
     explain_id: str | None = None  # record this request's evidence under this id (POST /v1/knn/explain)
 
-    def wire(self) -> dict:
-        return asdict(self)
+    def wire(self) -> str:
+        """As JSON: `vllm_xargs` values are strings, numbers or lists."""
+        return json.dumps(asdict(self))
 
     @classmethod
     def from_extra_args(cls, extra_args: dict | None, datastores: Collection[str], max_k: int) -> RequestKnobs:
         """The parsed knobs the API server wrote, or, for engines without one (knnlm-eval), a parse here."""
         args = extra_args or {}
-        if isinstance(args.get(WIRE_KEY), dict):
-            return cls(**args[WIRE_KEY])
+        if isinstance(args.get(WIRE_KEY), str):
+            return cls(**json.loads(args[WIRE_KEY]))
         return parse_knobs(args, datastores, max_k)
 
 

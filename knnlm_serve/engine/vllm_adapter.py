@@ -1,15 +1,16 @@
-"""Everything knnlm-serve reads from vLLM's internals, in one place, checked at startup.
+"""Everything knnlm-serve reads from vLLM's V1 model runner, in one place, checked at startup.
 
-vLLM's public interfaces carry the per-request settings (`SamplingParams.extra_args`, handed to
-our logits processor in each `BatchUpdate`) and the worker RPC (`--worker-extension-cls`,
-`collective_rpc`). Three things they do not carry are read here, from the V1 model runner:
-  * `runner.input_batch.num_reqs` and `runner.query_start_loc.np`: where each request's tokens sit
-    in the step's flattened batch (which token a logits row is, and whose), and
-    `runner.input_batch.num_computed_tokens_cpu`: the position of each request's first token in
-    the step (for explanations: which token of the request a row is);
+vLLM's public interfaces carry the per-request settings (`SamplingParams.extra_args`) and the
+worker RPC (`--worker-extension-cls`, `collective_rpc`). What they do not carry is read here:
+  * `runner.input_batch.num_reqs`, `.req_ids` and `runner.query_start_loc.np`: which request
+    each batch slot holds and where its tokens sit in the step's flattened batch (which token a
+    logits row is, and whose); `input_batch.spec_token_ids`: each slot's draft tokens this step
+    (speculative decoding), one more logits row each; `input_batch.num_computed_tokens_cpu`: the
+    position of each request's first token in the step (for explanations);
+  * `runner.requests`: each running request's `SamplingParams`, prompt and output token lists;
   * prompt-logprob calls pass a view of the model's output (a slice of `hidden[start:start+n]`),
     sampling calls a gathered copy (`hidden[logits_indices]`): told apart by storage;
-  * `runner.input_batch.logitsprocs` and `runner.get_model()`: our logits processor and model.
+  * `runner.get_model()`: our model.
 Plus the original model class of an architecture (`_TEXT_GENERATION_MODELS`), to wrap it, and
 one thing written: our mid-forward op added to the compilation's `splitting_ops` (`eager_at_replay`).
 `self_check` verifies each of these when a worker is attached, and fails with one line naming
@@ -23,11 +24,13 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Collection
 
 import numpy as np
 import torch
 
 from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_serve.engine.batch_requests import BatchRequest
 from knnlm_serve.engine.rows import LogitsRows, prompt_rows, sampling_rows
 from knnlm_serve.runtime import Runtime
 
@@ -91,15 +94,16 @@ def self_check(worker):
         (runner is not None, "the worker has no model_runner"),
         (isinstance(getattr(batch, "num_reqs", None), int), "input_batch.num_reqs is missing"),
         (isinstance(getattr(batch, "num_computed_tokens_cpu", None), np.ndarray), "input_batch.num_computed_tokens_cpu is missing"),
-        (hasattr(getattr(batch, "logitsprocs", None), "all"), "input_batch.logitsprocs.all is missing"),
+        (isinstance(getattr(batch, "req_ids", None), list), "input_batch.req_ids is missing"),
+        (isinstance(getattr(batch, "spec_token_ids", None), list), "input_batch.spec_token_ids is missing"),
+        (isinstance(getattr(runner, "requests", None), dict), "model_runner.requests is missing"),
         (isinstance(getattr(getattr(runner, "query_start_loc", None), "np", None), np.ndarray), "query_start_loc.np is missing"),
         (callable(getattr(runner, "get_model", None)), "model_runner.get_model is missing"),
+        (hasattr(runner, "speculative_config"), "model_runner.speculative_config is missing"),
     ]
     for ok, what in checks:
         if not ok:
             raise _incompatible(what)
-    if getattr(runner, "speculative_config", None) is not None:
-        raise KnnlmError("kNN serving does not support speculative decoding: remove --speculative-config")
     return runner
 
 
@@ -110,6 +114,7 @@ class StepView:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         self._runner = runner
+        self._speculating = runner.speculative_config is not None
         self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
     def rows_of(self, hidden_states: torch.Tensor, model_output: torch.Tensor | None) -> LogitsRows | None:
@@ -125,15 +130,39 @@ class StepView:
         ):
             first = (hidden_states.storage_offset() - model_output.storage_offset()) // model_output.stride(0)
             return prompt_rows(query_start_loc, num_reqs, first, hidden_states.shape[0])
-        if hidden_states.shape[0] != num_reqs:
-            raise _incompatible(f"a sampling call had {hidden_states.shape[0]} rows for {num_reqs} requests")
-        return sampling_rows(query_start_loc, num_reqs)
+        rows = self.sampling_rows()
+        if hidden_states.shape[0] != len(rows.slot):
+            raise _incompatible(
+                f"a sampling call had {hidden_states.shape[0]} rows for {num_reqs} requests and {len(rows.slot) - num_reqs} drafts"
+            )
+        return rows
 
     def sampling_rows(self) -> LogitsRows | None:
         """The rows this step's sampling call will have, known before the forward pass ends; None
         outside a real step."""
-        num_reqs = self._runner.input_batch.num_reqs
-        return sampling_rows(self._runner.query_start_loc.np, num_reqs) if num_reqs else None
+        batch = self._runner.input_batch
+        if batch.num_reqs == 0:
+            return None
+        drafts = None
+        if self._speculating:
+            drafts = np.fromiter((len(t) for t in batch.spec_token_ids[: batch.num_reqs]), dtype=np.int64, count=batch.num_reqs)
+        return sampling_rows(self._runner.query_start_loc.np, batch.num_reqs, drafts)
+
+    def request_id(self, slot: int) -> str:
+        return self._runner.input_batch.req_ids[slot]
+
+    def request(self, request_id: str) -> BatchRequest:
+        """A request as vLLM holds it (its token lists are vLLM's own, extended as it runs)."""
+        state = self._runner.requests[request_id]
+        return BatchRequest(state.sampling_params.extra_args, state.output_token_ids, state.prompt_token_ids)
+
+    def running(self) -> Collection[str]:
+        """The ids of the requests the runner holds."""
+        return self._runner.requests.keys()
+
+    def drafts(self, slot: int) -> list[int]:
+        """The draft tokens fed to the request in `slot` this step."""
+        return self._runner.input_batch.spec_token_ids[slot]
 
     def positions(self, rows: LogitsRows) -> np.ndarray:
         """Each row's token position in its request (prompt and output tokens counted together)."""
@@ -169,7 +198,6 @@ class KnnWorkerExtension:
 
     def knnlm_attach(self, runtime_json: str) -> dict:
         from knnlm_serve.engine.knn_logits import KnnLogits
-        from knnlm_serve.engine.plugin import KnnRequestTracker
 
         runner = self_check(self)
         model = runner.get_model()
@@ -178,12 +206,7 @@ class KnnWorkerExtension:
                 f"the served model {type(model).__name__} is not kNN-wrapped: is `knnlm` in VLLM_PLUGINS and its "
                 "architecture supported? (knnlm-serve sets both up)"
             )
-        tracker = next((p for p in runner.input_batch.logitsprocs.all if isinstance(p, KnnRequestTracker)), None)
-        if tracker is None:
-            raise KnnlmError("vLLM was started without --logits-processors knnlm_serve.engine.plugin:KnnRequestTracker")
-        model.knn_logits = KnnLogits(
-            Runtime.model_validate_json(runtime_json), tracker.batch, tracker.faults, model.knn_capture, StepView(runner)
-        )
+        model.knn_logits = KnnLogits(Runtime.model_validate_json(runtime_json), model.knn_capture, StepView(runner))
         logger.info("kNN attached to %s", type(model).__name__)
         # The cores vLLM bound this worker's threads to (all of them where it binds none): shard
         # actors on this host keep off them (ShardActor.keep_off).

@@ -25,12 +25,12 @@ from knnlm_serve.runtime import DatastoreInfo, Runtime
 def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
     """An offline vLLM engine serving `datastore` through the kNN plugin (in-process search).
 
-    Started as knnlm-serve starts vLLM (plugin allowlisted, our tracker and worker extension),
+    Started as knnlm-serve starts vLLM (plugin allowlisted, our worker extension),
     then attached over vLLM's worker RPC. The environment is changed only while vLLM starts its
     processes: anything this process starts later must not inherit it."""
     from vllm import LLM
 
-    from knnlm_serve.engine.plugin import TRACKER, vllm_environment
+    from knnlm_serve.engine.plugin import vllm_environment
     from knnlm_serve.engine.vllm_adapter import ATTACH, EXTENSION
 
     k = max(config.ks)
@@ -45,7 +45,6 @@ def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
             enforce_eager=True,
             max_model_len=config.context_length + 2,
             kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30),
-            logits_processors=[TRACKER],
             worker_extension_cls=EXTENSION,
             seed=config.seed,
         )

@@ -1,13 +1,15 @@
-"""The raw-JSON stage of admission, for the completion and chat routes, before vLLM parses them.
+"""Admission of the completion, chat and responses routes' kNN knobs, from the raw JSON, before vLLM parses it.
 
-1. The kNN knobs' types as the client sent them. vLLM's request models coerce `vllm_xargs`
-   values (JSON `true` becomes 1, so `"knn_skip_threshold": false` would mean "skip every
-   search"), and our validator only sees the coerced values. A knob of the wrong JSON type is a
-   400 naming the field (engine/request_params.py, `RAW_TYPES`).
+1. The knobs as the client sent them. vLLM's request models coerce `vllm_xargs` values (JSON
+   `true` becomes 1, so `"knn_skip_threshold": false` would mean "skip every search"). A knob of
+   the wrong JSON type or value is a 400 naming the field (engine/request_params.py); the parsed
+   knobs replace the client's in `vllm_xargs` (`WIRE_KEY`), for the workers.
 2. In-context passages (server/context.py): with `vllm_xargs.knn_context`, the request's text
    retrieves passages of its datastore, which go into its prompt; the knob is removed, and the
    response gets a `knn_context` field naming them.
-Any other request passes through untouched, its body replayed as it came.
+Admission is here, not in a vLLM logits processor, because it must work for every model runner
+and with speculative decoding, where vLLM's V1 runner loads no logits processors. A request
+without kNN knobs passes through untouched, its body replayed as it came.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ from starlette.responses import JSONResponse
 
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve import metrics
-from knnlm_serve.engine.request_params import KnnParamError, raw_type_error
+from knnlm_serve.engine.request_params import KNOWN_KEYS, WIRE_KEY, KnnParamError, RequestKnobs, parse_knobs, raw_type_error, with_defaults
 from knnlm_serve.server import context as ctx
 from knnlm_serve.server.http_errors import STATUS
 
 logger = logging.getLogger("knnlm_serve")
 
-CHECKED_ROUTES = ("/v1/completions", "/v1/chat/completions")
+CONTEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")
+CHECKED_ROUTES = (*CONTEXT_ROUTES, "/v1/responses")
 
 
 class AdmissionMiddleware:
@@ -43,21 +46,19 @@ class AdmissionMiddleware:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        request = _knn_request(body)
-        if request is None:
-            return await self.app(scope, _replay({"type": "http.request", "body": body, "more_body": False}, receive), send)
-        xargs = request["vllm_xargs"]
-        try:
-            if (error := raw_type_error(xargs)) is not None:
-                raise error
-            context = None
-            if ctx.KNOB in xargs:
-                request, context = _with_context(scope["app"].state, request, scope["path"].endswith("chat/completions"))
-        except KnnlmError as e:
-            param = f"vllm_xargs.{e.field}" if isinstance(e, KnnParamError) else f"vllm_xargs.{ctx.KNOB}"
-            content = {"error": {"message": str(e), "type": "BadRequestError", "param": param, "code": STATUS[e.kind]}}
-            return await JSONResponse(content, status_code=STATUS[e.kind])(scope, receive, send)
-        if ctx.KNOB in xargs:  # the body changed: the knob is gone, the prompt may hold passages
+        state = scope["app"].state
+        registry = getattr(state, "knnlm_registry", None)
+        request = _knn_request(body) if registry is not None else None
+        context = None
+        if registry is not None and request is None:
+            _count(registry.runtime, RequestKnobs())
+        elif request is not None:
+            try:
+                request, context = _admitted(state, registry, request, scope["path"])
+            except KnnlmError as e:
+                param = f"vllm_xargs.{e.field}" if isinstance(e, KnnParamError) else f"vllm_xargs.{ctx.KNOB}"
+                content = {"error": {"message": str(e), "type": "BadRequestError", "param": param, "code": STATUS[e.kind]}}
+                return await JSONResponse(content, status_code=STATUS[e.kind])(scope, receive, send)
             body = json.dumps(request).encode()
         if context is not None:
             send = _naming_context(send, context, request.get("stream", False))
@@ -74,19 +75,39 @@ def _knn_request(body: bytes) -> dict | None:
         return None  # vLLM reports malformed JSON itself
     if not isinstance(request, dict) or not isinstance(request.get("vllm_xargs"), dict):
         return None
+    if not any(k.startswith("knn") for k in request["vllm_xargs"]):
+        return None
     return request
 
 
-def _with_context(state, request: dict, chat: bool) -> tuple[dict, dict]:
-    """The request with its passages in the prompt and the knob removed, and what the response says of them."""
+def _admitted(state, registry, request: dict, path: str) -> tuple[dict, dict | None]:
+    """The request with its knobs parsed into `WIRE_KEY` (and its passages in the prompt), and
+    what the response says of the passages."""
+    runtime = registry.runtime
     xargs = dict(request["vllm_xargs"])
+    if (error := raw_type_error(xargs)) is not None:
+        raise error
     count = ctx.context_count(xargs)
-    del xargs[ctx.KNOB]
-    request = {**request, "vllm_xargs": xargs}
-    registry = getattr(state, "knnlm_registry", None)
-    if count == 0 or registry is None:
+    if ctx.KNOB in xargs and path not in CONTEXT_ROUTES:
+        raise KnnParamError(ctx.KNOB, xargs[ctx.KNOB], f"absent: passages go into prompts on {' and '.join(CONTEXT_ROUTES)}")
+    xargs.pop(ctx.KNOB, None)
+    knobs = parse_knobs(xargs, runtime.datastores, runtime.knn.max_k)
+    _count(runtime, knobs)
+    others = {k: v for k, v in xargs.items() if k not in KNOWN_KEYS}
+    request = {**request, "vllm_xargs": {**others, WIRE_KEY: knobs.wire()}}
+    if count == 0:
         return request, None
-    name = xargs.get("knn_datastore") or registry.runtime.default
+    return _with_context(state, registry, request, path.endswith("chat/completions"), count, knobs.datastore or runtime.default)
+
+
+def _count(runtime, knobs: RequestKnobs) -> None:
+    """Count the request under the datastore it is served from ('none': kNN off)."""
+    params = with_defaults(knobs, runtime)  # refuses only a named datastore that is not served
+    metrics.REQUESTS.labels(params.datastore if params.active else "none").inc()
+
+
+def _with_context(state, registry, request: dict, chat: bool, count: int, name: str | None) -> tuple[dict, dict]:
+    """The request with its passages in the prompt, and what the response says of them."""
     info = registry.runtime.datastores.get(name)
     if info is None:
         raise KnnParamError("knn_datastore", name, f"one of {sorted(registry.runtime.datastores)}")

@@ -35,7 +35,15 @@ from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.manifest import MANIFEST
 from knnlm_core.provenance import Provenance
 from knnlm_serve.engine.explanations import MAX_REQUESTS
-from knnlm_serve.engine.request_params import MAX_EXPLAIN_TOP, KnnParamError, parse_knobs, raw_type_error, with_defaults
+from knnlm_serve.engine.request_params import (
+    KNOWN_KEYS,
+    MAX_EXPLAIN_TOP,
+    WIRE_KEY,
+    KnnParamError,
+    parse_knobs,
+    raw_type_error,
+    with_defaults,
+)
 from knnlm_serve.engine.vllm_adapter import TAKE_EXPLANATION
 from knnlm_serve.server.http_errors import http_error
 
@@ -127,7 +135,8 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
     explain_id = uuid.uuid4().hex
     xargs["knn_explain"] = {"id": explain_id, "top": top}
     runtime = registry.runtime
-    params = with_defaults(parse_knobs(xargs, runtime.datastores, runtime.knn.max_k), runtime)  # vLLM's admission parses it again
+    knobs = parse_knobs(xargs, runtime.datastores, runtime.knn.max_k)
+    params = with_defaults(knobs, runtime)
     if not params.active:
         raise KnnlmError(
             "kNN is off for this request (vllm_xargs knn false or knn_lambda 0): there is nothing to explain", ErrorKind.MALFORMED
@@ -148,7 +157,7 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
         temperature=body.temperature,
         logprobs=0,
         prompt_logprobs=0 if scored else None,
-        extra_args=xargs,
+        extra_args={**{k: v for k, v in xargs.items() if k not in KNOWN_KEYS}, WIRE_KEY: knobs.wire()},
     )
     final = None
     try:

