@@ -50,6 +50,8 @@ class AdmissionMiddleware:
         registry = getattr(state, "knnlm_registry", None)
         request = _knn_request(body) if registry is not None else None
         context = None
+        if registry is not None:
+            registry.note_request()
         if registry is not None and request is None:
             _count(registry.runtime, RequestKnobs())
         elif request is not None:

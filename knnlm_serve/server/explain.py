@@ -160,6 +160,7 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
         extra_args={**{k: v for k, v in xargs.items() if k not in KNOWN_KEYS}, WIRE_KEY: knobs.wire()},
     )
     final = None
+    registry.note_request()
     try:
         async for output in engine.generate({"prompt_token_ids": prompt + scored}, sampling, f"knn-explain-{explain_id}"):
             final = output

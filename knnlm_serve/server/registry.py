@@ -31,7 +31,10 @@ from knnlm_serve.server.shard_health import ShardPids
 logger = logging.getLogger("knnlm_serve")
 
 RELEASE_GRACE_S = 5.0
-WORKER_POLL_TICKS = 4  # the reaper asks the workers for their state every this many half-second ticks
+WORKER_POLL_TICKS = 4  # while requests come, the reaper asks the workers for their state every this many half-second ticks
+# How long after the last admitted request the reaper keeps asking. Each RPC keeps vLLM's worker
+# polling its message queue on a spinning core for a second, so an idle server does not ask.
+POLL_AFTER_REQUEST_S = 60.0
 
 
 class EngineLink(Protocol):
@@ -54,6 +57,7 @@ class DatastoreRegistry:
         self._model_cpus: dict[str, list[int]] = {}  # host -> CPUs vLLM's workers are bound to
         self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
         self._retired: dict[tuple[str, int], tuple[DatastoreInfo, float]] = {}
+        self._last_request = 0.0  # monotonic time of the last admitted request (`note_request`)
         self._versions: dict[str, int] = {}
         self._shard_pids = ShardPids()
         self._info_labels: set[tuple[str, ...]] = set()
@@ -234,19 +238,25 @@ class DatastoreRegistry:
             if info.documents is not None:
                 metrics.DOCUMENTS.labels(info.name).set(info.documents)
 
+    def note_request(self) -> None:
+        """A request was admitted: the workers' state may change while it runs."""
+        self._last_request = time.monotonic()
+
     def _retire(self, info: DatastoreInfo) -> None:
         self._retired[info.key] = (info, time.monotonic())
 
     def _reap_forever(self) -> None:
         """Kill retired versions' actors once no worker reports a request pinned to them (after a
         short grace period, so a version is never killed in the step that retired it).
-        Every few seconds, also check the shards' health, which counts actor restarts."""
+        Every few seconds, also check the shards' health, which counts actor restarts, and while
+        requests come, the versions the workers stopped using."""
         for tick in itertools.count():
             time.sleep(0.5)
             try:
                 if tick % 10 == 0 and self.runtime.knn.backend == "ray":
                     self.health()
-                if tick % WORKER_POLL_TICKS == 0 or self._retired:
+                recent = time.monotonic() - self._last_request < POLL_AFTER_REQUEST_S
+                if (recent and tick % WORKER_POLL_TICKS == 0) or self._retired:
                     self._poll_workers()
             except Exception:  # noqa: BLE001 - the reaper must outlive a failed poll
                 logger.exception("datastore reaper: poll failed; retrying")
