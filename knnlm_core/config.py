@@ -162,6 +162,15 @@ class KnnConfig(_Strict):
         "last MLP, the final norm and the LM head run; rows the skip rule then drops are searched too (false: search "
         "only the rows the skip rule keeps, after the logits)",
     )
+    draft_tokens: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="speculative decoding with datastore drafts: after each step, a request whose nearest neighbour "
+        "predicted its newest token is given up to this many of the stored tokens that follow, which vLLM verifies "
+        "against the kNN-LM in the next step (the same output, faster where the text is stored); 0 = off. Sets "
+        "vLLM's speculative config, so vllm_args may not set one too",
+    )
     replicas: int = Field(1, ge=1, description="actors per shard; a step asks one, another when it fails or is late (spread over nodes)")
     shard_resources: dict[str, float] = Field(
         default_factory=dict,

@@ -126,6 +126,46 @@ def load_values(path: Path, entries: int | None = None, vocab_size: int | None =
     return values
 
 
+class EntryValues:
+    """A datastore's values by global entry id: every shard's values.npy, memory-mapped, shards
+    holding consecutive ids in order."""
+
+    def __init__(self, values: list[np.ndarray]):
+        self._values = values
+        self._first_ids = np.cumsum([0] + [len(v) for v in values])
+
+    @classmethod
+    def open(cls, root: Path, manifest: Manifest) -> EntryValues:
+        return cls([load_values(root / s.values.path, s.entries, manifest.model.vocab_size) for s in manifest.shards])
+
+    def range(self, lo: int, hi: int) -> np.ndarray:
+        """The values of entries [lo, hi)."""
+        parts = []
+        for shard, values in enumerate(self._values):
+            self._check_unchanged(values)
+            a, b = max(lo, self._first_ids[shard]), min(hi, self._first_ids[shard + 1])
+            if a < b:
+                parts.append(np.asarray(values[a - self._first_ids[shard] : b - self._first_ids[shard]], dtype=np.int32))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+
+    def at(self, ids: np.ndarray) -> np.ndarray:
+        """The values of entries `ids` (each in [0, entries))."""
+        shards = np.searchsorted(self._first_ids, ids, side="right") - 1
+        out = np.empty(len(ids), dtype=np.int32)
+        for shard in np.unique(shards).tolist():
+            values, chosen = self._values[shard], shards == shard
+            self._check_unchanged(values)
+            out[chosen] = values[ids[chosen] - self._first_ids[shard]]
+        return out
+
+    @staticmethod
+    def _check_unchanged(values: np.ndarray) -> None:
+        if os.stat(values.filename).st_size != values.offset + values.nbytes:  # reading a truncated map would kill the process
+            raise DatastoreError(
+                f"{Path(values.filename).parent.name}/values.npy changed on disk after it was loaded; reload the datastore"
+            )
+
+
 def load_document_starts(root: Path, manifest: Manifest) -> np.ndarray | None:
     """documents.npy (where each document's entries begin, and the total), or None when not recorded;
     checked to run from 0 to the datastore's entries in order."""

@@ -81,3 +81,33 @@ def shard_lookup(searchers: list, queries: np.ndarray, width: int) -> Callable[[
 def consecutive(positions: np.ndarray) -> np.ndarray:
     """continues[t] for `replay`: position t is the token right after position t − 1."""
     return np.r_[False, positions[1:] == positions[:-1] + 1]
+
+
+def stored_continuation(
+    ids: np.ndarray,
+    values: np.ndarray,
+    token: int,
+    document_starts: np.ndarray,
+    values_at: Callable[[np.ndarray], np.ndarray],
+    length: int,
+) -> list[int]:
+    """The tokens the datastore stores after `token`, where its nearest neighbour `ids[0]` (values
+    `values`, aligned with `ids`) predicted it: up to `length` tokens, read from the entries after
+    the neighbours that predicted it, the value most of them agree on at each position (the
+    nearer one's on a tie), for as long as one of them stays inside its document. `values_at(entry ids)` reads entries' values.
+    Empty where the nearest neighbour did not predict `token`: no evidence of stored text."""
+    if len(ids) == 0 or ids[0] < 0 or values[0] != token:
+        return []
+    cursor = ids[(values == token) & (ids >= 0)] + 1  # the entries whose value is the next token
+    end = document_starts[np.searchsorted(document_starts, cursor - 1, side="right")]
+    draft: list[int] = []
+    while len(draft) < length:
+        inside = cursor < end
+        cursor, end = cursor[inside], end[inside]
+        if len(cursor) == 0:
+            break
+        read = values_at(cursor)
+        best = read[np.argmax((read[:, None] == read[None, :]).sum(axis=1))]  # a tie goes to the nearer neighbour's
+        draft.append(int(best))
+        cursor, end = cursor[read == best] + 1, end[read == best]
+    return draft

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_core.datastore import load_document_starts, load_values
+from knnlm_core.datastore import EntryValues, load_document_starts, load_values
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.files import write_json_atomic
 from knnlm_core.manifest import ForgetRecord, Manifest
@@ -133,8 +133,7 @@ class Provenance:
             )
         self.table, self.starts = table, starts
         self.forgotten = forgotten or {}  # document -> its audit record (`knnlm-index forget`)
-        self._values = values  # per shard, memory-mapped
-        self._first_ids = np.cumsum([0] + [len(v) for v in values])
+        self._values = EntryValues(values)
 
     @classmethod
     def open(cls, root: Path, manifest: Manifest) -> Provenance:
@@ -179,19 +178,7 @@ class Provenance:
             return np.zeros(0, dtype=np.int32)
         first = [self.table.first_token[document]] if start == 0 else []
         base = int(self.starts[document]) - 1  # token q of the document is entry base + q's value
-        return np.concatenate([np.asarray(first, dtype=np.int32), self._entry_values(base + max(start, 1), base + end)])
-
-    def _entry_values(self, lo: int, hi: int) -> np.ndarray:
-        parts = []
-        for shard, values in enumerate(self._values):
-            if os.stat(values.filename).st_size != values.offset + values.nbytes:  # reading a truncated map would kill the process
-                raise DatastoreError(
-                    f"{Path(values.filename).parent.name}/values.npy changed on disk after it was loaded; reload the datastore"
-                )
-            a, b = max(lo, self._first_ids[shard]), min(hi, self._first_ids[shard + 1])
-            if a < b:
-                parts.append(np.asarray(values[a - self._first_ids[shard] : b - self._first_ids[shard]], dtype=np.int32))
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        return np.concatenate([np.asarray(first, dtype=np.int32), self._values.range(base + max(start, 1), base + end)])
 
 
 def check_served_files(root: Path, manifest: Manifest) -> None:

@@ -72,6 +72,14 @@ FALLBACKS = Counter(
     "unhealthy: the datastore version was stopped after repeated errors)",
     ["datastore", "reason"],
 )
+DRAFTS = Counter("knnlm_drafts", "drafts proposed from the datastore (speculative decoding, knn.draft_tokens)", ["datastore"])
+DRAFT_TOKENS = Counter("knnlm_draft_tokens", "tokens proposed in datastore drafts", ["datastore"])
+DRAFT_ACCEPTED_TOKENS = Counter(
+    "knnlm_draft_accepted_tokens",
+    "datastore draft tokens the engine accepted; per draft: knnlm_draft_accepted_tokens_total / knnlm_drafts_total",
+    ["datastore"],
+)
+DRAFT_FAILURES = Counter("knnlm_draft_failures", "steps that proposed no drafts because drafting failed (served without drafts)")
 CONTEXT_FAILURES = Counter(
     "knnlm_context_failures", "requests served without in-context passages because retrieving them failed", ["datastore"]
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -31,7 +32,10 @@ def markdown(report: dict) -> str:
         f"# Load test ({report['created']}, {report['machine']})",
         "",
         f"Server: {report['server']} (commit {report.get('commit')}); prompts: {report['prompt_source']}, {report['prompt_words']} words, "
-        f"{report['output_len']} output tokens, streaming.",
+        f"{report['output_len']} output tokens, streaming"
+        + (f"; datastore drafts of up to {report['draft_tokens']} tokens" if report.get("draft_tokens") else "")
+        + (f"; kNN-on vllm_xargs {json.dumps(report['knn_xargs'])}" if report.get("knn_xargs") else "")
+        + ".",
         "",
         "| run | kNN | conc. | rate | req/s | out tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms | errors | kNN share of wall | kNN ms/step: all / waited / mix | search ms: slowest shard / rest of span | rows searched / skipped / pointers | server counters match |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|",

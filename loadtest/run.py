@@ -9,6 +9,7 @@ them), hot-swap and shard-kill events in the middle of a run, and the plots.
     python loadtest/run.py                          # standard scenario, starts its own server
     python loadtest/run.py --base-url http://host:8000 --admin-token T   # target a running server
     python loadtest/run.py ... --record default     # also replace the tracked report loadtest/results/default/
+    python loadtest/run.py --draft-tokens 4         # kNN-on runs with datastore drafts (speculative decoding)
 
 Each run writes its report, plots and the server's log under results/loadtest/<time>/ (untracked).
 """
@@ -67,6 +68,12 @@ def main() -> None:
     parser.add_argument(
         "--knn-xargs", type=json.loads, default={}, help="extra vllm_xargs for the kNN-on runs, e.g. '{\"knn_pointers\": 64}'"
     )
+    parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        help="start the server with speculative decoding from datastore drafts (knn.draft_tokens; 0 = off); the "
+        "kNN-on runs then draft, and --knn-xargs '{\"knn_drafts\": false}' turns drafting off for them",
+    )
     parser.add_argument("--pairs", type=int, default=3, help="interleaved off/on pairs per level, after one warm-up pair (median reported)")
     parser.add_argument("--prompt-words", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=32)
@@ -109,7 +116,9 @@ def main() -> None:
         else:
             print(f"loadtest: starting knnlm-serve ({args.config}) ...", flush=True)
             root = swap_root(args.config, args.swap_to)
-            base_url, model, tokenizer = stack.enter_context(started_server(args.config, args.admin_token, root, out, extra))
+            base_url, model, tokenizer = stack.enter_context(
+                started_server(args.config, args.admin_token, root, out, extra, args.draft_tokens)
+            )
         runs = []
 
         def run(label, knn, concurrency=None, rate=None, prompts=None, datastore=None):
@@ -177,6 +186,8 @@ def main() -> None:
         "prompt_source": source,
         "prompt_words": args.prompt_words,
         "output_len": args.output_len,
+        "draft_tokens": args.draft_tokens,
+        "knn_xargs": args.knn_xargs,
         "runs": runs,
         "on_off_ratios": ratios,
     }

@@ -67,7 +67,9 @@ def swap_root(config: Path, swap_to: str) -> Path:
 
 
 @contextlib.contextmanager
-def started_server(config: Path, admin_token: str, datastore_root: Path, log_dir: Path, extra_datastores: dict[str, str]):
+def started_server(
+    config: Path, admin_token: str, datastore_root: Path, log_dir: Path, extra_datastores: dict[str, str], draft_tokens: int | None = None
+):
     import yaml
 
     from knnlm_core.default_model import resolve_model
@@ -79,6 +81,8 @@ def started_server(config: Path, admin_token: str, datastore_root: Path, log_dir
     knn = settings.setdefault("knn", {})
     knn.update(admin_token=admin_token, datastore_root=str(datastore_root))
     knn["datastores"] = {**knn.get("datastores", {}), **extra_datastores}
+    if draft_tokens is not None:
+        knn["draft_tokens"] = draft_tokens
     with RunningServer(settings, log_dir) as server:
         yield server.base_url, settings.get("served_model_name") or "default", str(resolve_model(settings.get("model", "default")))
 

@@ -268,6 +268,22 @@ def test_a_users_compilation_config_is_refused_on_a_gpu():
         assert cuda_graph_flags(config.model_copy(update={"enforce_eager": True}), cuda=True) == []
 
 
+def test_datastore_drafts_set_vllms_speculative_config_and_refuse_a_second_one():
+    import json
+
+    from knnlm_core.config import ServeConfig
+    from knnlm_core.errors import ConfigError
+    from knnlm_serve.engine.drafts import DRAFTER
+    from knnlm_serve.server.launcher import draft_flags
+
+    ngram = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    assert draft_flags(ServeConfig(vllm_args=ngram)) == []  # drafts off: the user's own speculation stays
+    flag, value = draft_flags(ServeConfig(knn={"draft_tokens": 3}))
+    assert flag == "--speculative-config" and json.loads(value) == {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match="knn.draft_tokens .*--speculative-config"):
+        draft_flags(ServeConfig(knn={"draft_tokens": 3}, vllm_args=ngram))
+
+
 def test_the_engine_environment_selects_the_v1_model_runner_even_where_triton_is_present(monkeypatch):
     """vLLM picks Model Runner V2 on every Triton (every CUDA) host, and V2 would refuse our logits
     processor; the environment knnlm-serve and knnlm-eval hand vLLM keeps it on V1."""
@@ -302,3 +318,20 @@ def test_workers_get_no_admin_token_and_no_datastore_root():
     pushed = registry.runtime.model_dump_json()  # what every vLLM worker receives (vllm_adapter.knnlm_attach / set_runtime)
     assert "s3cret-admin-token" not in pushed and "/srv/datastores-root" not in pushed
     assert registry.config.admin_token == "s3cret-admin-token"  # the API server keeps it
+
+
+def test_a_draft_is_the_stored_text_after_the_neighbours_that_predicted_the_token():
+    """Two documents store [5 6 7 8 9] and [5 6 1 2 3]; entries are in corpus order, an entry's
+    value the token after its context."""
+    from knnlm_core.pointers import stored_continuation
+
+    values, starts = np.array([5, 6, 7, 8, 9, 5, 6, 1, 2, 3]), np.array([0, 5, 10])
+
+    def draft(ids, token, length=8):
+        ids = np.array(ids)
+        return stored_continuation(ids, values[ids], token, starts, lambda entries: values[entries], length)
+
+    assert draft([0, 5], 5) == [6, 7, 8, 9]  # both go on with 6; at the split the nearer one's text; to its document's end
+    assert draft([5, 0], 5, length=2) == [6, 1]  # the nearer neighbour first, and at most `length` tokens
+    assert draft([3, 5], 5) == []  # the nearest neighbour did not predict 5: no evidence of stored text
+    assert draft([9], 3) == []  # its document ends there

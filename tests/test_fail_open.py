@@ -117,6 +117,7 @@ def server(tiny_model_dir, root):
         "admin_token": TOKEN,
         "datastore_root": str(root),
         "fail_open": True,  # what these tests test (the suite's other servers turn it off)
+        "draft_tokens": 4,  # and the datastore drafter's faults
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
         yield server
@@ -138,7 +139,8 @@ def listed(server, name: str) -> dict:
 def test_a_file_broken_after_load_is_served_lm_only_and_marked_unhealthy_until_reloaded(server, root, ids):
     """documents.npy of datastore p is replaced by an object array after p was loaded and checked;
     the workers read it at p's first pointer-following request."""
-    assert greedy(server, ids["prompt"], CONTINUATION, knn_datastore="p").token_ids == ids["p"]  # no pointers: not read yet
+    # No pointers and no drafts (both read documents.npy): not read yet.
+    assert greedy(server, ids["prompt"], CONTINUATION, knn_datastore="p", knn_drafts=False).token_ids == ids["p"]
     plain = greedy(server, ids["prompt"], CONTINUATION, knn=False)
     save(root / "p" / "documents.npy", np.array([0, "x"], dtype=object))
     before = scrape_metrics(server.base_url)
@@ -172,6 +174,25 @@ def test_a_file_broken_after_load_is_served_lm_only_and_marked_unhealthy_until_r
     assert listed(server, "p")["healthy"] and scrape_metrics(server.base_url)['knnlm_datastore_healthy{datastore="p"}'] == 1
     assert greedy(server, ids["prompt"], CONTINUATION, knn_datastore="p", knn_pointers=1).token_ids == ids["p"]
     assert admin(server, "GET", "/health").json()["healthy"]
+
+
+def test_a_drafter_fault_serves_the_step_without_drafts(server, root, ids):
+    """values.npy of a loaded copy of datastore a grows on disk after load: drafting from it fails
+    at every step (it is read only for drafts), which then has none, counted; kNN serves on, the
+    engine too, and the other datastore's drafts go on."""
+    shutil.copytree(root / "a", root / "grown")
+    assert admin(server, "POST", "/datastores", name="grown", path="grown").status_code == 200
+    with open(root / "grown" / "shard-000" / "values.npy", "ab") as f:
+        f.write(b"\0" * 4)
+    drafts = lambda values, name: values.get(f'knnlm_drafts_total{{datastore="{name}"}}', 0)  # noqa: E731
+    before = scrape_metrics(server.base_url)
+    assert greedy(server, ids["prompt"], CONTINUATION, knn_datastore="grown").token_ids == ids["a"]
+    failed = scrape_metrics(server.base_url)
+    assert greedy(server, ids["prompt"], CONTINUATION, knn_datastore="a").token_ids == ids["a"]
+    after = scrape_metrics(server.base_url)
+    assert failed.get("knnlm_draft_failures_total", 0) - before.get("knnlm_draft_failures_total", 0) >= 1
+    assert drafts(failed, "grown") == 0 and drafts(after, "a") > drafts(failed, "a")
+    assert admin(server, "DELETE", "/datastores/grown").status_code == 200
 
 
 @pytest.mark.parametrize("name", sorted(BAD_STORES))

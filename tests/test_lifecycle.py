@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -46,7 +47,9 @@ def root(tiny_model_dir, tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, root):
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": admin_knn(root, TOKEN)}, root) as server:
+    """Datastore drafts on (knn.draft_tokens): hot-swaps, explanations and shard faults are tested
+    under speculative decoding."""
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": admin_knn(root, TOKEN, draft_tokens=4)}, root) as server:
         yield server
 
 
@@ -75,9 +78,9 @@ def total(values: dict[str, float], prefix: str) -> float:
 def test_metrics_count_every_knn_step(server, ids):
     before = scrape(server)
     for _ in range(3):
-        assert complete(server, ids["prompt"]) == ids["a"]
+        assert complete(server, ids["prompt"], knn_drafts=False) == ids["a"]
     after = scrape(server)
-    # Batch of one, no prompt logprobs: one retrieval step per generated token.
+    # Batch of one, no drafts, no prompt logprobs: one retrieval step per generated token.
     steps = total(after, 'knnlm_retrieval_steps_total{datastore="main"}') - total(before, 'knnlm_retrieval_steps_total{datastore="main"}')
     assert steps == 3 * CONTINUATION
     assert (
@@ -109,6 +112,35 @@ def test_metrics_count_every_knn_step(server, ids):
     )
     assert step_count == steps and wait_sum + mix_sum < step_sum < 1.0 * steps
     assert total(after, "knnlm_shard_search_seconds_count") > 0
+
+
+DRAFTED = [{}, {"knn": False}, {"knn_pointers": 1}, {"knn_lambda": 0.5, "knn_k": 2}, {"knn_lambda": 0.3, "knn_skip_threshold": 0.05}]
+
+
+def test_datastore_drafts_change_the_speed_not_the_output(server, ids):
+    """With knn.draft_tokens, where the nearest neighbour predicted a request's newest token the
+    stored text after it is drafted, and vLLM verifies it against the kNN-LM: at λ 1 on the stored
+    text most drafts are accepted (fewer steps than tokens), and greedy tokens and logprobs equal
+    those of the same requests with `knn_drafts: false`, for kNN off, pointers, other λ, k and
+    skip thresholds, alone and batched."""
+    drafts = lambda values: total(values, 'knnlm_drafts_total{datastore="main"}')  # noqa: E731
+    accepted = lambda values: total(values, 'knnlm_draft_accepted_tokens_total{datastore="main"}')  # noqa: E731
+    steps = lambda values: total(values, 'knnlm_retrieval_steps_total{datastore="main"}')  # noqa: E731
+    before = scrape(server)
+    expected = [greedy(server, ids["prompt"], CONTINUATION, knn_drafts=False, **x) for x in DRAFTED]
+    undrafted = scrape(server)
+    assert complete(server, ids["prompt"]) == ids["a"]
+    drafted = scrape(server)
+    assert drafts(undrafted) == drafts(before)  # knn_drafts false: none proposed
+    assert accepted(drafted) - accepted(undrafted) > drafts(drafted) - drafts(undrafted) > 0  # over 1 token accepted per draft
+    assert steps(drafted) - steps(undrafted) < CONTINUATION
+    alone = [greedy(server, ids["prompt"], CONTINUATION, **x) for x in DRAFTED]
+    with ThreadPoolExecutor(2 * len(DRAFTED)) as pool:
+        together = list(pool.map(lambda x: greedy(server, ids["prompt"], CONTINUATION, **x), DRAFTED * 2))
+    for want, *got in zip(expected, alone, together, together[len(DRAFTED) :]):
+        for choice in got:
+            assert choice.token_ids == want.token_ids
+            np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4)
 
 
 def server_entries(server) -> int:

@@ -66,6 +66,9 @@ class BatchRequests:
         if any(request_id not in live for request_id in self._requests):
             self._requests = {i: r for i, r in self._requests.items() if i in live}
 
+    def get(self, request_id: str) -> BatchRequest | None:
+        return self._requests.get(request_id)
+
     def resolve(self, request_id: str, runtime: Runtime, read: Callable[[str], BatchRequest]) -> BatchRequest:
         """The request, its settings filled in and its version pinned if this is its first step;
         `read` makes it from vLLM's state the first time."""

@@ -1,7 +1,7 @@
 """Fail open: an error in kNN's per-step path costs the affected rows their kNN, never the engine.
 
 vLLM calls our code inside its step (the mix in `compute_logits`, `key_ready` mid-forward, the
-request tracker's `update_state`) and through worker RPCs; an exception that escapes any of them
+datastore drafter's `propose`) and through worker RPCs; an exception that escapes any of them
 stops vLLM's engine core, and every request after it fails. Each of those boundaries hands the
 error to `Faults.failed`, and the rows it concerned are served from the LM alone, exactly as with
 kNN off. Each cause is logged once with its traceback and every affected row is counted

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from knnlm_core.datastore import load_document_starts, read_manifest
+from knnlm_core.datastore import EntryValues, load_document_starts, read_manifest
 from knnlm_core.mixture import adaptive_lambda, interpolate
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KnnParams
@@ -52,6 +52,7 @@ class KnnMixer:
     def __init__(self, retriever):
         self.retriever = retriever
         self._document_starts: dict[tuple[str, int], np.ndarray | None] = {}
+        self._values: dict[tuple[str, int], EntryValues] = {}
 
     def document_starts(self, info: DatastoreInfo) -> np.ndarray | None:
         """The version's documents.npy (None: not recorded, no pointer following), loaded once."""
@@ -59,9 +60,16 @@ class KnnMixer:
             self._document_starts[info.key] = load_document_starts(Path(info.path), read_manifest(info.path))
         return self._document_starts[info.key]
 
+    def values(self, info: DatastoreInfo) -> EntryValues:
+        """The version's entries' values (for datastore drafts), memory-mapped once."""
+        if info.key not in self._values:
+            self._values[info.key] = EntryValues.open(Path(info.path), read_manifest(info.path))
+        return self._values[info.key]
+
     def release(self, keep: set[tuple[str, int]]) -> None:
         self.retriever.release(keep)
         self._document_starts = {key: v for key, v in self._document_starts.items() if key in keep}
+        self._values = {key: v for key, v in self._values.items() if key in keep}
 
     @staticmethod
     def lm_confidence(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

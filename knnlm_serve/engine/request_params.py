@@ -10,6 +10,8 @@
     knn_pointers     0..max_k     follow pointers: a decode step uses the successors of the last
                                   step's neighbours that predicted its token, without a search,
                                   when at least this many survive; 0 = always search
+    knn_drafts       true/false   with knn.draft_tokens: let the datastore draft this request's
+                                  next tokens for speculative decoding (engine/drafts.py)
     knn_explain      {id, top}    set by POST /v1/knn/explain, which returns the explanation:
                                   record this request's evidence (server/explain.py)
 
@@ -35,7 +37,17 @@ from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve.runtime import Runtime, mix_defaults
 
 WIRE_KEY = "knnlm"  # where the API server puts the parsed RequestKnobs; a client sending it is refused as unknown
-KNOWN_KEYS = ("knn", "knn_datastore", "knn_lambda", "knn_k", "knn_temperature", "knn_skip_threshold", "knn_pointers", "knn_explain")
+KNOWN_KEYS = (
+    "knn",
+    "knn_datastore",
+    "knn_lambda",
+    "knn_k",
+    "knn_temperature",
+    "knn_skip_threshold",
+    "knn_pointers",
+    "knn_drafts",
+    "knn_explain",
+)
 MAX_EXPLAIN_TOP = 64  # neighbours an explanation shows per token
 
 
@@ -48,6 +60,7 @@ RAW_TYPES = {
     "knn_temperature": ((int, float), "a number"),
     "knn_skip_threshold": ((int, float), "a number"),
     "knn_pointers": ((int,), "an integer"),
+    "knn_drafts": ((bool,), "true or false"),
 }
 
 
@@ -81,6 +94,7 @@ class RequestKnobs:
     temperature: float | None = None
     skip_threshold: float | None = None
     min_pointers: int | None = None
+    drafts: bool | None = None
     explain_id: str | None = None  # record this request's evidence under this id (POST /v1/knn/explain)
 
     def wire(self) -> str:
@@ -109,6 +123,7 @@ class KnnParams:
     skip_threshold: float = 1.0
     min_pointers: int = 0
     explain_id: str | None = None
+    drafts: bool = True  # the datastore may draft its next tokens (where the server drafts at all)
 
     @property
     def active(self) -> bool:
@@ -137,13 +152,14 @@ def parse_knobs(extra_args: dict | None, datastores: Collection[str], max_k: int
     if temperature == 0:
         raise KnnParamError("knn_temperature", temperature, "a number > 0")
     return RequestKnobs(
-        enabled=None if args.get("knn") is None else _bool(args["knn"]),
+        enabled=None if args.get("knn") is None else _bool("knn", args["knn"]),
         datastore=datastore,
         lambda_=_number("knn_lambda", args.get("knn_lambda"), 0.0, 1.0, "a number in [0, 1]"),
         k=k,
         temperature=temperature,
         skip_threshold=_number("knn_skip_threshold", args.get("knn_skip_threshold"), 0.0, 1.0, "a number in [0, 1]"),
         min_pointers=pointers,
+        drafts=None if args.get("knn_drafts") is None else _bool("knn_drafts", args["knn_drafts"]),
         explain_id=_explain_id(args.get("knn_explain")),
     )
 
@@ -169,6 +185,7 @@ def with_defaults(knobs: RequestKnobs, runtime: Runtime) -> KnnParams:
         _default(knobs.skip_threshold, defaults.skip_threshold),
         _default(knobs.min_pointers, defaults.min_pointers),
         knobs.explain_id,
+        _default(knobs.drafts, True),
     )
 
 
@@ -197,14 +214,14 @@ def _explain_id(value) -> str | None:
     return value["id"]
 
 
-def _bool(value) -> bool:
+def _bool(field: str, value) -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
         return value.lower() in ("true", "1")
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise KnnParamError("knn", value, "true or false")
+    raise KnnParamError(field, value, "true or false")
 
 
 def _number(field: str, value, low: float, high: float, allowed: str) -> float | None:

@@ -62,6 +62,7 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     from knnlm_serve.engine.vllm_adapter import EXTENSION
 
     graph_flags = cuda_graph_flags(config, cuda=torch.cuda.is_available())  # refused before Ray starts
+    drafts = draft_flags(config)
     environment = vllm_environment(plugins=("knnlm", "knnlm_admin"))
     v2_only = [a for a in config.vllm_args if a.split("=", 1)[0] in V2_ONLY_FLAGS]
     if v2_only:
@@ -95,7 +96,23 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     publish_registry(registry)
     os.environ.update(environment)
     logger.info("kNN runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): the adapter reads V1's batch")
-    return ["--worker-extension-cls", EXTENSION, *graph_flags]
+    return ["--worker-extension-cls", EXTENSION, *graph_flags, *drafts]
+
+
+def draft_flags(config: ServeConfig) -> list[str]:
+    """vLLM's speculative config for datastore drafts (knn.draft_tokens); one of the user's own
+    (`vllm_args`, e.g. prompt lookup) is kept where drafts are off, and refused beside them."""
+    from knnlm_serve.engine.drafts import DRAFTER
+
+    if config.knn.draft_tokens == 0:
+        return []
+    own = [a for a in config.vllm_args if a.split("=", 1)[0].split(".", 1)[0] in ("--speculative-config", "-sc")]
+    if own:
+        raise ConfigError(
+            f"knn.draft_tokens sets vLLM's speculative config (datastore drafts) and vllm_args sets one too ({own[0]}): keep one of them"
+        )
+    drafts = {"method": "custom_class", "model": DRAFTER, "num_speculative_tokens": config.knn.draft_tokens}
+    return ["--speculative-config", json.dumps(drafts)]
 
 
 def cuda_graph_flags(config: ServeConfig, cuda: bool) -> list[str]:

@@ -31,7 +31,7 @@ from knnlm_serve.server.shard_health import ShardPids
 logger = logging.getLogger("knnlm_serve")
 
 RELEASE_GRACE_S = 5.0
-WORKER_POLL_TICKS = 4  # while requests come, the reaper asks the workers for their state every this many half-second ticks
+WORKER_POLL_TICKS = 20  # while requests come, the reaper asks the workers for their state every this many half-second ticks
 # How long after the last admitted request the reaper keeps asking. Each RPC keeps vLLM's worker
 # polling its message queue on a spinning core for a second, so an idle server does not ask.
 POLL_AFTER_REQUEST_S = 60.0

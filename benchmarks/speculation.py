@@ -1,0 +1,205 @@
+"""Is kNN-LM with datastore drafts faster than the plain model on stored text, and what does it
+cost elsewhere? Generated tokens per second, greedy, through the HTTP API, on two datastores.
+
+    .venv/bin/python benchmarks/speculation.py          # ~40 min on 2 CPU cores (three servers)
+
+Stores (benchmarks/task_eval.py's corpora): pydocs, the embedded default datastore; networkx, a
+`knnlm-index build` of the networkx algorithms' docstrings (about 135k entries). Prompts: windows of
+PROMPT_TOKENS tokens at seeded places of the documents the store serves (`in_store`: the
+continuation is stored text) and of its control documents (`off_store`), each continued for
+--tokens tokens (ignore_eos: every request generates the same count).
+
+Three servers (configs/default.yaml's settings, serving both stores), and the modes on them:
+  * base, no speculation: `plain` (kNN off: plain vLLM) and `knn` (the store's calibrated defaults);
+  * drafts, `knn.draft_tokens`: `knn+drafts` (the defaults, datastore drafts);
+  * ngram, vLLM's prompt lookup: `ngram` (kNN off, vLLM's drafts; a baseline).
+At each concurrency (1 and 8) and prompt set, every repeat runs each mode once, in a shuffled
+order, and each ratio is taken against `plain` of the same repeat; the report gives each ratio's
+median over the repeats with its range, the datastore drafts' accepted tokens per draft, and the
+share of generated tokens that were accepted drafts. Writes benchmarks/results/speculation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from run_record import run_record  # noqa: E402
+from task_eval import prepare_corpora  # noqa: E402
+
+from knnlm_core.default_model import prepare_default_model  # noqa: E402
+from knnlm_serve.eval.doc_items import stored_hashes  # noqa: E402
+from knnlm_serve.server.process import RunningServer, metric_total, scrape_metrics  # noqa: E402
+
+PROMPT_TOKENS = 48
+DRAFT_TOKENS = 4
+NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFT_TOKENS, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+MODES = {  # mode -> (server, vllm_xargs beyond the datastore's name)
+    "plain": ("base", {"knn": False}),
+    "knn": ("base", {}),
+    "knn+drafts": ("drafts", {}),
+    "ngram": ("ngram", {"knn": False}),
+}
+
+
+def prompts(documents: list[Path], count: int, tokenizer, seed: int) -> list[list[int]]:
+    """`count` windows of PROMPT_TOKENS tokens, at seeded places that leave room to continue."""
+    texts = [tokenizer(d.read_text(), add_special_tokens=False).input_ids for d in documents]
+    texts = [t for t in texts if len(t) > PROMPT_TOKENS + 128]
+    rng = random.Random(seed)
+    chosen = []
+    for _ in range(count):
+        tokens = rng.choice(texts)
+        start = rng.randrange(0, len(tokens) - PROMPT_TOKENS - 128)
+        chosen.append(tokens[start : start + PROMPT_TOKENS])
+    return chosen
+
+
+def prompt_sets(corpora: dict, tokenizer, count: int) -> dict[str, dict[str, list[list[int]]]]:
+    """store -> {in_store, off_store} prompts: served documents (matched by their text's sha256) and control ones."""
+    sets = {}
+    for name, (datastore, docs, control) in corpora.items():
+        served = stored_hashes(datastore)
+        stored = [f for f in sorted(docs.glob("*.txt")) if hashlib.sha256(f.read_text().encode()).hexdigest() in served]
+        sets[name] = {
+            "in_store": prompts(stored, count, tokenizer, 0),
+            "off_store": prompts(sorted(control.glob("*.txt")), count, tokenizer, 1),
+        }
+    return sets
+
+
+def tokens_per_second(server, batch: list[list[int]], tokens: int, concurrency: int, xargs: dict) -> float:
+    client = server.openai_client()
+
+    def one(prompt):
+        out = client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=tokens, temperature=0, extra_body={"vllm_xargs": xargs, "ignore_eos": True}
+        )
+        return out.usage.completion_tokens
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        generated = sum(pool.map(one, batch))
+    return generated / (time.perf_counter() - started)
+
+
+def drafted(server, store: str) -> tuple[float, float]:
+    """(drafts, accepted draft tokens) the server has counted for `store`."""
+    values = scrape_metrics(server.base_url)
+    return (
+        metric_total(values, rf'knnlm_drafts_total\{{datastore="{store}"'),
+        metric_total(values, rf'knnlm_draft_accepted_tokens_total\{{datastore="{store}"'),
+    )
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": round(float(np.median(values)), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def measure(servers: dict, sets: dict, args) -> dict:
+    """store -> prompt set -> concurrency -> throughput and ratios."""
+    results = {}
+    rng = random.Random(0)
+    for store, by_set in sets.items():
+        for set_name, all_prompts in by_set.items():
+            for concurrency in args.concurrency:
+                batch = all_prompts[: args.prompts * concurrency]
+                for server, xargs in MODES.values():  # warm-up: each mode once, unmeasured
+                    tokens_per_second(servers[server], batch[:concurrency], 8, concurrency, {**xargs, "knn_datastore": store})
+                runs = {mode: [] for mode in MODES}
+                drafts = accepted = 0.0
+                for repeat in range(args.repeats):
+                    for mode in rng.sample(list(MODES), len(MODES)):
+                        server, xargs = MODES[mode]
+                        before = drafted(servers[server], store) if mode == "knn+drafts" else None
+                        runs[mode].append(
+                            tokens_per_second(servers[server], batch, args.tokens, concurrency, {**xargs, "knn_datastore": store})
+                        )
+                        if before is not None:
+                            after = drafted(servers[server], store)
+                            drafts, accepted = drafts + after[0] - before[0], accepted + after[1] - before[1]
+                        print(
+                            f"{store} {set_name} c{concurrency} repeat {repeat + 1}/{args.repeats} {mode}: {runs[mode][-1]:.1f} tok/s",
+                            flush=True,
+                        )
+                generated = args.repeats * len(batch) * args.tokens
+                results.setdefault(store, {}).setdefault(set_name, {})[f"c{concurrency}"] = {
+                    "tokens_per_s": {mode: summary(values) for mode, values in runs.items()},
+                    "over_plain": {
+                        mode: summary([v / p for v, p in zip(values, runs["plain"])]) for mode, values in runs.items() if mode != "plain"
+                    },
+                    "knn+drafts_over_knn": summary([d / k for d, k in zip(runs["knn+drafts"], runs["knn"])]),
+                    "knn+drafts_over_ngram": summary([d / n for d, n in zip(runs["knn+drafts"], runs["ngram"])]),
+                    "accepted_tokens_per_draft": round(accepted / drafts, 3) if drafts else None,
+                    "drafted_share": round(accepted / generated, 3),
+                    "requests": len(batch),
+                }
+    return results
+
+
+def server_config(name: str, corpora: dict) -> dict:
+    config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
+    config["knn"]["datastores"] = {store: str(paths[0]) for store, paths in corpora.items()}
+    config["knn"]["compiled_graphs"] = False  # no polling readers beside the other servers' engines
+    config["vllm_args"] = ["--no-enable-prefix-caching"]  # every run replays its prompts: each prefills them anew
+    if name == "drafts":
+        config["knn"]["draft_tokens"] = DRAFT_TOKENS
+    if name == "ngram":
+        config["vllm_args"] += ["--speculative-config", json.dumps(NGRAM)]
+    return config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
+    parser.add_argument("--prompts", type=int, default=4, help="requests per run, per unit of concurrency")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per mode")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--corpora", nargs="+", default=["pydocs", "networkx"], choices=["pydocs", "networkx"])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"), help="where the networkx store is built once")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speculation.json")
+    args = parser.parse_args()
+    record = run_record("speculation")
+    from transformers import AutoTokenizer
+
+    model_dir = prepare_default_model()
+    corpora = prepare_corpora(args.corpora, args.work, model_dir)
+    sets = prompt_sets(corpora, AutoTokenizer.from_pretrained(model_dir), args.prompts * max(args.concurrency))
+    with ExitStack() as stack:
+        servers = {}
+        for name in ("base", "drafts", "ngram"):
+            print(f"starting the {name} server", flush=True)
+            (args.work / f"speculation-{name}").mkdir(parents=True, exist_ok=True)
+            servers[name] = stack.enter_context(RunningServer(server_config(name, corpora), args.work / f"speculation-{name}"))
+        results = measure(servers, sets, args)
+    report = {
+        **record,
+        "settings": {
+            "prompt_tokens": PROMPT_TOKENS,
+            "generated_tokens": args.tokens,
+            "draft_tokens": DRAFT_TOKENS,
+            "ngram": NGRAM,
+            "repeats": args.repeats,
+            "modes": {mode: {"server": server, "vllm_xargs": xargs} for mode, (server, xargs) in MODES.items()},
+        },
+        "results": results,
+    }
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
