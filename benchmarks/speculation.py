@@ -10,13 +10,15 @@ continuation is stored text) and of its control documents (`off_store`), each co
 --tokens tokens (ignore_eos: every request generates the same count).
 
 Three servers (configs/default.yaml's settings, serving both stores), and the modes on them:
-  * base, no speculation: `plain` (kNN off: plain vLLM) and `knn` (the store's calibrated defaults);
-  * drafts, `knn.draft_tokens`: `knn+drafts` (the defaults, datastore drafts);
+  * base, no speculation: `plain` (kNN off: plain vLLM), `knn` (the store's calibrated
+    defaults) and `knn-strong` (λ 0.9, which follows the stored text);
+  * drafts, `knn.draft_tokens`: `knn+drafts` and `knn-strong+drafts` (the same, with datastore drafts);
   * ngram, vLLM's prompt lookup: `ngram` (kNN off, vLLM's drafts; a baseline).
 At each concurrency (1 and 8) and prompt set, every repeat runs each mode once, in a shuffled
-order, and each ratio is taken against `plain` of the same repeat; the report gives each ratio's
-median over the repeats with its range, the datastore drafts' accepted tokens per draft, and the
-share of generated tokens that were accepted drafts. Writes benchmarks/results/speculation.json.
+order, and each ratio is taken within a repeat (against `plain`, and drafts against the same
+kNN without them and against `ngram`); the report gives each ratio's median over the repeats
+with its range, the datastore drafts' accepted tokens per draft, and the share of generated
+tokens that were accepted drafts. Writes benchmarks/results/speculation.json.
 """
 
 from __future__ import annotations
@@ -47,10 +49,13 @@ from knnlm_serve.server.process import RunningServer, metric_total, scrape_metri
 PROMPT_TOKENS = 48
 DRAFT_TOKENS = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFT_TOKENS, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+STRONG = {"knn_lambda": 0.9}  # a λ that lets the kNN-LM follow the stored text (the calibrated ones barely move it)
 MODES = {  # mode -> (server, vllm_xargs beyond the datastore's name)
     "plain": ("base", {"knn": False}),
     "knn": ("base", {}),
     "knn+drafts": ("drafts", {}),
+    "knn-strong": ("base", STRONG),
+    "knn-strong+drafts": ("drafts", STRONG),
     "ngram": ("ngram", {"knn": False}),
 }
 
@@ -116,21 +121,21 @@ def measure(servers: dict, sets: dict, args) -> dict:
     for store, by_set in sets.items():
         for set_name, all_prompts in by_set.items():
             for concurrency in args.concurrency:
-                batch = all_prompts[: args.prompts * concurrency]
+                batch = all_prompts[: max(args.prompts, 2 * concurrency)]
                 for server, xargs in MODES.values():  # warm-up: each mode once, unmeasured
                     tokens_per_second(servers[server], batch[:concurrency], 8, concurrency, {**xargs, "knn_datastore": store})
                 runs = {mode: [] for mode in MODES}
-                drafts = accepted = 0.0
+                drafts = {mode: [0.0, 0.0] for mode in MODES if mode.endswith("+drafts")}
                 for repeat in range(args.repeats):
                     for mode in rng.sample(list(MODES), len(MODES)):
                         server, xargs = MODES[mode]
-                        before = drafted(servers[server], store) if mode == "knn+drafts" else None
+                        before = drafted(servers[server], store) if mode in drafts else None
                         runs[mode].append(
                             tokens_per_second(servers[server], batch, args.tokens, concurrency, {**xargs, "knn_datastore": store})
                         )
                         if before is not None:
                             after = drafted(servers[server], store)
-                            drafts, accepted = drafts + after[0] - before[0], accepted + after[1] - before[1]
+                            drafts[mode] = [drafts[mode][0] + after[0] - before[0], drafts[mode][1] + after[1] - before[1]]
                         print(
                             f"{store} {set_name} c{concurrency} repeat {repeat + 1}/{args.repeats} {mode}: {runs[mode][-1]:.1f} tok/s",
                             flush=True,
@@ -141,10 +146,12 @@ def measure(servers: dict, sets: dict, args) -> dict:
                     "over_plain": {
                         mode: summary([v / p for v, p in zip(values, runs["plain"])]) for mode, values in runs.items() if mode != "plain"
                     },
-                    "knn+drafts_over_knn": summary([d / k for d, k in zip(runs["knn+drafts"], runs["knn"])]),
-                    "knn+drafts_over_ngram": summary([d / n for d, n in zip(runs["knn+drafts"], runs["ngram"])]),
-                    "accepted_tokens_per_draft": round(accepted / drafts, 3) if drafts else None,
-                    "drafted_share": round(accepted / generated, 3),
+                    "drafts_over_no_drafts": {
+                        mode: summary([d / k for d, k in zip(runs[mode], runs[mode.removesuffix("+drafts")])]) for mode in drafts
+                    },
+                    "drafts_over_ngram": {mode: summary([d / n for d, n in zip(runs[mode], runs["ngram"])]) for mode in drafts},
+                    "accepted_tokens_per_draft": {mode: round(a / d, 3) if d else None for mode, (d, a) in drafts.items()},
+                    "drafted_share": {mode: round(a / generated, 3) for mode, (_, a) in drafts.items()},
                     "requests": len(batch),
                 }
     return results
@@ -165,7 +172,7 @@ def server_config(name: str, corpora: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
-    parser.add_argument("--prompts", type=int, default=4, help="requests per run, per unit of concurrency")
+    parser.add_argument("--prompts", type=int, default=4, help="requests per run (at least 2 per unit of concurrency)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per mode")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--corpora", nargs="+", default=["pydocs", "networkx"], choices=["pydocs", "networkx"])
@@ -177,7 +184,7 @@ def main() -> None:
 
     model_dir = prepare_default_model()
     corpora = prepare_corpora(args.corpora, args.work, model_dir)
-    sets = prompt_sets(corpora, AutoTokenizer.from_pretrained(model_dir), args.prompts * max(args.concurrency))
+    sets = prompt_sets(corpora, AutoTokenizer.from_pretrained(model_dir), max(args.prompts, 2 * max(args.concurrency)))
     with ExitStack() as stack:
         servers = {}
         for name in ("base", "drafts", "ngram"):

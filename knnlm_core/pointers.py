@@ -7,6 +7,11 @@ goes on, and so candidates for the next step's neighbours. When at least `min_po
 the next step scores them exactly against its own query and takes p_kNN from them, with no
 search; otherwise it searches as usual.
 
+The same successors make draft tokens for speculative decoding (`chain_*`): a chain is the
+entries whose stored text a request is reading, started where the nearest neighbour predicted
+its token and moved along as the request's tokens keep matching the stored ones, through steps
+without a search; the stored tokens ahead of it are the draft.
+
 Plain functions over explicit arrays: the server follows pointers per request and step, the
 evaluator replays them over a whole text with the same functions.
 """
@@ -83,31 +88,42 @@ def consecutive(positions: np.ndarray) -> np.ndarray:
     return np.r_[False, positions[1:] == positions[:-1] + 1]
 
 
-def stored_continuation(
-    ids: np.ndarray,
-    values: np.ndarray,
-    token: int,
-    document_starts: np.ndarray,
-    values_at: Callable[[np.ndarray], np.ndarray],
-    length: int,
-) -> list[int]:
-    """The tokens the datastore stores after `token`, where its nearest neighbour `ids[0]` (values
-    `values`, aligned with `ids`) predicted it: up to `length` tokens, read from the entries after
-    the neighbours that predicted it, the value most of them agree on at each position (the
-    nearer one's on a tie), for as long as one of them stays inside its document. `values_at(entry ids)` reads entries' values.
-    Empty where the nearest neighbour did not predict `token`: no evidence of stored text."""
+def chain_start(ids: np.ndarray, values: np.ndarray, token: int, document_starts: np.ndarray) -> np.ndarray:
+    """Where the stored text goes on after `token`, if the nearest neighbour `ids[0]` (values
+    `values`, aligned with `ids`) predicted it: the entries after the neighbours that predicted it
+    (their values are the next tokens), nearest first, those inside their document. Empty where
+    the nearest neighbour did not predict `token`: no evidence of stored text."""
     if len(ids) == 0 or ids[0] < 0 or values[0] != token:
-        return []
-    cursor = ids[(values == token) & (ids >= 0)] + 1  # the entries whose value is the next token
-    end = document_starts[np.searchsorted(document_starts, cursor - 1, side="right")]
-    draft: list[int] = []
-    while len(draft) < length:
-        inside = cursor < end
-        cursor, end = cursor[inside], end[inside]
-        if len(cursor) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return _inside(ids[(values == token) & (ids >= 0)] + 1, document_starts)
+
+
+def chain_advance(
+    chain: np.ndarray, tokens: list[int], document_starts: np.ndarray, values_at: Callable[[np.ndarray], np.ndarray]
+) -> np.ndarray:
+    """The chain after the request produced `tokens`: the entries whose stored text went on with
+    them, each moved past them (empty once none did). `values_at(entry ids)` reads entries' values."""
+    for token in tokens:
+        if len(chain) == 0:
             break
-        read = values_at(cursor)
-        best = read[np.argmax((read[:, None] == read[None, :]).sum(axis=1))]  # a tie goes to the nearer neighbour's
-        draft.append(int(best))
-        cursor, end = cursor[read == best] + 1, end[read == best]
+        chain = _inside(chain[values_at(chain) == token] + 1, document_starts)
+    return chain
+
+
+def chain_draft(chain: np.ndarray, length: int, document_starts: np.ndarray, values_at: Callable[[np.ndarray], np.ndarray]) -> list[int]:
+    """Up to `length` tokens of the stored text ahead of the chain: at each position the value
+    most of its entries agree on (the nearer one's on a tie), for as long as one of them stays
+    inside its document."""
+    draft: list[int] = []
+    while len(draft) < length and len(chain):
+        read = values_at(chain)
+        best = int(read[np.argmax((read[:, None] == read[None, :]).sum(axis=1))])
+        draft.append(best)
+        chain = _inside(chain[read == best] + 1, document_starts)
     return draft
+
+
+def _inside(entries: np.ndarray, document_starts: np.ndarray) -> np.ndarray:
+    """The `entries` that are not past the end of the document of the entry before them."""
+    ends = document_starts[np.searchsorted(document_starts, entries - 1, side="right")]
+    return entries[entries < ends]

@@ -320,18 +320,21 @@ def test_workers_get_no_admin_token_and_no_datastore_root():
     assert registry.config.admin_token == "s3cret-admin-token"  # the API server keeps it
 
 
-def test_a_draft_is_the_stored_text_after_the_neighbours_that_predicted_the_token():
+def test_a_draft_is_the_stored_text_the_request_is_reading():
     """Two documents store [5 6 7 8 9] and [5 6 1 2 3]; entries are in corpus order, an entry's
     value the token after its context."""
-    from knnlm_core.pointers import stored_continuation
+    from knnlm_core.pointers import chain_advance, chain_draft, chain_start
 
     values, starts = np.array([5, 6, 7, 8, 9, 5, 6, 1, 2, 3]), np.array([0, 5, 10])
+    values_at = lambda entries: values[entries]  # noqa: E731
 
-    def draft(ids, token, length=8):
-        ids = np.array(ids)
-        return stored_continuation(ids, values[ids], token, starts, lambda entries: values[entries], length)
+    def start(ids, token):
+        return chain_start(np.array(ids), values[np.array(ids)], token, starts)
 
-    assert draft([0, 5], 5) == [6, 7, 8, 9]  # both go on with 6; at the split the nearer one's text; to its document's end
-    assert draft([5, 0], 5, length=2) == [6, 1]  # the nearer neighbour first, and at most `length` tokens
-    assert draft([3, 5], 5) == []  # the nearest neighbour did not predict 5: no evidence of stored text
-    assert draft([9], 3) == []  # its document ends there
+    assert chain_draft(start([0, 5], 5), 8, starts, values_at) == [6, 7, 8, 9]  # at the split, the nearer's text; to its end
+    assert chain_draft(start([5, 0], 5), 2, starts, values_at) == [6, 1]  # the nearer neighbour first; at most `length`
+    assert len(start([3, 5], 5)) == 0  # the nearest neighbour did not predict 5: no evidence of stored text
+    assert len(start([9], 3)) == 0  # its document ends there
+    chain = chain_advance(start([0, 5], 5), [6, 1], starts, values_at)  # the request went on as the second document
+    assert chain_draft(chain, 8, starts, values_at) == [2, 3]
+    assert len(chain_advance(chain, [4], starts, values_at)) == 0  # and then left the stored text

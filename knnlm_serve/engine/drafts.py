@@ -2,9 +2,11 @@
 
 Where a request follows stored text, the datastore already holds what comes next. After each
 step, the row its newest token was sampled from kept its neighbours (batch_requests); where the
-nearest of them predicted that token, the entries after them hold the stored continuation
-(knnlm_core.pointers.stored_continuation), and that is the draft. Elsewhere there is none, so
-steps off the stored text cost one lookup per request. vLLM's V1 runner loads this class as a
+nearest of them predicted that token, the entries after them start a chain: where the stored
+text goes on. The chain moves along with the request's tokens for as long as they match the
+stored ones, also through steps whose rows were not searched (the skip rule), and the stored
+tokens ahead of it are the draft (knnlm_core.pointers.chain_*). Off the stored text there is no
+chain and no draft: a lookup per request and step. vLLM's V1 runner loads this class as a
 `custom_class` proposer and calls `propose` after each step; the next step verifies the drafts
 against the logits KnnLogits mixes row by row, so the output is the kNN-LM's own and drafts
 change only the speed. An error means no drafts for that step, counted.
@@ -12,21 +14,29 @@ change only the speed. An error means no drafts for that step, counted.
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 
-from knnlm_core.pointers import stored_continuation
+import numpy as np
+
+from knnlm_core.pointers import chain_advance, chain_draft, chain_start
 from knnlm_serve import metrics
 from knnlm_serve.engine.batch_requests import BatchRequest
 
-logger = logging.getLogger("knnlm_serve")
-
 DRAFTER = "knnlm_serve.engine.drafts.DatastoreDrafter"
+
+
+@dataclass
+class Chain:
+    version: tuple[str, int]
+    outputs: int  # the request's output tokens when the chain was last moved
+    entries: np.ndarray  # the entries whose stored text the request is reading (knnlm_core.pointers)
 
 
 class DatastoreDrafter:
     def __init__(self, vllm_config):
         self.length = vllm_config.speculative_config.num_speculative_tokens
         self._model = None
+        self._chains: dict[str, Chain] = {}  # request id -> its chain
         self._proposed: dict[str, tuple[str, int, list[int]]] = {}  # request id -> (datastore, its outputs then, draft)
 
     def load_model(self, model) -> None:
@@ -42,20 +52,21 @@ class DatastoreDrafter:
         try:
             return self._drafts(knn, slots)
         except Exception as e:  # noqa: BLE001 - fail open: the step goes on without drafts
-            self._proposed = {}
+            self._proposed, self._chains = {}, {}
             metrics.DRAFT_FAILURES.inc()
             knn.faults.failed("propose", e, rows=0)
             return [[] for _ in range(slots)]
 
     def _drafts(self, knn, slots: int) -> list[list[int]]:
         proposed, self._proposed = self._proposed, {}
+        chains, self._chains = self._chains, {}
         drafts = []
         for slot in range(slots):
             request_id = knn.step.request_id(slot)
             request = knn.batch.get(request_id)
             if request is not None and request_id in proposed:
                 _count_accepted(request, *proposed[request_id])
-            draft = self._draft(knn, request) if request is not None else []
+            draft = self._draft(knn, request_id, request, chains.get(request_id)) if request is not None else []
             if draft:
                 self._proposed[request_id] = (request.pinned.name, len(request.output_tokens), draft)
                 metrics.DRAFTS.labels(request.pinned.name).inc()
@@ -63,17 +74,25 @@ class DatastoreDrafter:
             drafts.append(draft)
         return drafts
 
-    def _draft(self, knn, request: BatchRequest) -> list[int]:
-        """The stored continuation after the request's newest token, where its neighbours give one."""
+    def _draft(self, knn, request_id: str, request: BatchRequest, chain: Chain | None) -> list[int]:
+        """The stored text ahead of the request's chain: the one it had, moved along its new
+        tokens, or else one started from its newest row's neighbours."""
         info = request.pinned
         if info is None or not request.params.drafts or info.key in knn.faults.unhealthy:
             return []
-        sampled = request.last_sampled()
-        starts = knn.mixer.document_starts(info) if sampled is not None else None
+        starts = knn.mixer.document_starts(info)
         if starts is None:
             return []
-        last, token = sampled
-        return stored_continuation(last.ids, last.tokens, token, starts, knn.mixer.values(info).at, self.length)
+        values_at = knn.mixer.values(info).at
+        entries = np.zeros(0, dtype=np.int64)
+        if chain is not None and chain.version == info.key:
+            entries = chain_advance(chain.entries, request.output_tokens[chain.outputs :], starts, values_at)
+        if len(entries) == 0 and (sampled := request.last_sampled()) is not None:
+            last, token = sampled
+            entries = chain_start(last.ids, last.tokens, token, starts)
+        if len(entries):
+            self._chains[request_id] = Chain(info.key, len(request.output_tokens), entries)
+        return chain_draft(entries, self.length, starts, values_at)
 
 
 def _count_accepted(request: BatchRequest, datastore: str, outputs: int, draft: list[int]) -> None:
