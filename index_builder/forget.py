@@ -75,15 +75,19 @@ def forget_documents(
     erase: bool = False,
 ) -> tuple[Manifest, list[ForgetRecord]]:
     """Publish the datastore at `path` without the named documents (with `erase`, without their
-    codes in the index files either); the new manifest and its new audit records."""
+    codes in the index files either; that also erases the codes of documents forgotten before);
+    the new manifest and the audit records it wrote."""
     started = time.monotonic()
     root, manifest = read_with_documents(path, "forget documents")
     table = DocumentTable.read(root / manifest.provenance.path, manifest.model.vocab_size)
     starts = load_document_starts(root, manifest)
     chosen = find_documents(table, documents=documents, sources=sources, ids=ids)
     already = {r.document: r for r in manifest.forgotten}
-    if repeated := [d for d in chosen if d in already]:
-        raise DatastoreError(f"document {repeated[0]} was already forgotten at {already[repeated[0]].at}", ErrorKind.INVALID)
+    again = [already[d] for d in chosen if d in already]  # forgotten before: with `erase`, their codes are erased now
+    if again and (not erase or again[0].erased_codes):
+        done = "forgotten and erased" if again[0].erased_codes else "forgotten (its codes stay until compact, or erase them with --erase)"
+        raise DatastoreError(f"document {again[0].document} was already {done} at {again[0].at}", ErrorKind.INVALID)
+    chosen = [d for d in chosen if d not in already]
     if len(already) + len(chosen) >= len(table):
         raise DatastoreError(
             f"forgetting {len(chosen)} document(s) would leave datastore {root.name} none: unload or delete it instead",
@@ -92,7 +96,7 @@ def forget_documents(
     if erase:
         check_erasable(manifest.index.factory, manifest.dim)
     at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    records = [
+    records = again + [
         ForgetRecord(
             document=d,
             source=table.sources[table.source[d]],
@@ -105,7 +109,7 @@ def forget_documents(
         for d in chosen
     ]
     work = workdir(root)
-    prepare_workdir(work, {"job": "forget", "base": manifest.checksum, "documents": chosen, "erase": erase})
+    prepare_workdir(work, {"job": "forget", "base": manifest.checksum, "documents": [r.document for r in records], "erase": erase})
     link_version(root, work, manifest)
     firsts = shard_first_ids(manifest)
     shards = [_scrubbed_shard(work, shard, first, records, erase) for shard, first in zip(manifest.shards, firsts)]
@@ -116,18 +120,19 @@ def forget_documents(
         r.model_copy(
             update={
                 "erased_codes": [s.name for s, f in zip(manifest.shards, firsts) if _overlap(r, f, s.entries)] if erase else [],
-                "erased_texts": _erase_server_copy(table, r),
+                "erased_texts": r.erased_texts or _erase_server_copy(table, r),
             }
         )
         for r in records
     ]
+    erased = {r.document: r for r in records[: len(again)]}
     gone = set(already) | set(chosen)
     new = manifest.model_copy(
         update={
             "shards": shards,
             "provenance": file_entry(work, work / PROVENANCE),
             "passages": kept_passages(root, work, manifest, {d: d for d in range(len(table)) if d not in gone}),
-            "forgotten": [*manifest.forgotten, *records],
+            "forgotten": [*(erased.get(r.document, r) for r in manifest.forgotten), *records[len(again) :]],
         }
     )
     write_manifest(work, new)

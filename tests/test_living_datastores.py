@@ -192,11 +192,25 @@ def test_bad_adds_and_forgets_name_the_problem_and_change_nothing(args, message,
     assert digest(root) == before
 
 
-def test_forgetting_a_document_twice_says_when_it_was_forgotten(corpus, tiny_model_dir, tmp_path):
+def test_forgetting_a_document_twice_says_when_and_a_forgotten_document_can_still_be_erased(corpus, fact, tiny_model_dir, tmp_path):
+    """A tombstone forget, then the same document with --erase: its codes leave the index files
+    then, its audit record keeps the first forget's time and says so; a third time is refused."""
     root = build(corpus, tiny_model_dir, tmp_path / "ds")
-    forget_documents(root, documents=[1])
-    with pytest.raises(DatastoreError, match="document 1 was already forgotten at 20"):
-        forget_documents(root, documents=[1])
+    _, added = add_documents(root, [fact], tiny_model_dir, progress=False)
+    _, (first,) = forget_documents(root, documents=[added.first_document])
+    with pytest.raises(DatastoreError, match=f"document {added.first_document} was already forgotten .*--erase.* at 20"):
+        forget_documents(root, documents=[added.first_document])
+    keys = document_keys(tiny_model_dir, FACT)
+    assert held_near(root, keys).all()  # a tombstone: the codes are still in the files
+
+    manifest, (erased,) = forget_documents(root, documents=[added.first_document], erase=True)
+
+    assert not held_near(root, keys).any()
+    assert erased.at == first.at and erased.erased_codes == added.shards
+    assert [r.document for r in manifest.forgotten] == [added.first_document] and manifest.forgotten[0] == erased
+    with pytest.raises(DatastoreError, match="already forgotten and erased"):
+        forget_documents(root, documents=[added.first_document], erase=True)
+    assert verify_datastore(root, samples=100)["problems"] == []
 
 
 @pytest.mark.parametrize("index", ["flat", "ivfpq"])
