@@ -120,3 +120,21 @@ DOCUMENTS = Gauge(
     ["datastore"],
     multiprocess_mode="mostrecent",
 )
+
+
+def datastore_info_labels(info) -> tuple[str, ...]:
+    """DATASTORE_INFO's labels for a serving version (runtime.DatastoreInfo)."""
+    d = info.defaults
+    lam = "adaptive" if d.lambda_ is None else f"{d.lambda_:g}"
+    return (
+        info.name,
+        str(info.version),
+        str(info.entries),
+        str(len(info.shards)),
+        info.key_type,
+        lam,
+        str(d.k),
+        f"{d.temperature:g}",
+        f"{d.skip_threshold:g}",
+        d.source["lambda"],
+    )

@@ -227,7 +227,7 @@ class DatastoreRegistry:
             self._engine.set_runtime(runtime)  # raises if the workers did not take it: nothing changed
         self.runtime = runtime
         # Multiprocess files keep every label set ever written: retire old ones with 0, not clear().
-        labels = {_info_labels(i) for i in datastores.values()}
+        labels = {metrics.datastore_info_labels(i) for i in datastores.values()}
         for old in self._info_labels - labels:
             metrics.DATASTORE_INFO.labels(*old).set(0)
         for new in labels:
@@ -289,20 +289,3 @@ class DatastoreRegistry:
 
     def _describe(self, info: DatastoreInfo, status: str) -> dict:
         return {**info.model_dump(), "path": self.public_path(info.path), "status": status, **self._health(info)}
-
-
-def _info_labels(info: DatastoreInfo) -> tuple[str, ...]:
-    d = info.defaults
-    lam = "adaptive" if d.lambda_ is None else f"{d.lambda_:g}"
-    return (
-        info.name,
-        str(info.version),
-        str(info.entries),
-        str(len(info.shards)),
-        info.key_type,
-        lam,
-        str(d.k),
-        f"{d.temperature:g}",
-        f"{d.skip_threshold:g}",
-        d.source["lambda"],
-    )
