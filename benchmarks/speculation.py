@@ -159,6 +159,7 @@ def measure(servers: dict, sets: dict, args) -> dict:
 
 def server_config(name: str, corpora: dict) -> dict:
     config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
+    config.pop("port")  # three servers: each on a free port
     config["knn"]["datastores"] = {store: str(paths[0]) for store, paths in corpora.items()}
     config["knn"]["compiled_graphs"] = False  # no polling readers beside the other servers' engines
     config["vllm_args"] = ["--no-enable-prefix-caching"]  # every run replays its prompts: each prefills them anew
