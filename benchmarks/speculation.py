@@ -18,7 +18,7 @@ At each concurrency (1 and 8) and prompt set, every repeat runs each mode once, 
 order, and each ratio is taken within a repeat (against `plain`, and drafts against the same
 kNN without them and against `ngram`); the report gives each ratio's median over the repeats
 with its range, the datastore drafts' accepted tokens per draft, and the share of generated
-tokens that were accepted drafts. Writes benchmarks/results/speculation.json.
+tokens that were accepted drafts. Writes benchmarks/results/speculation.json and .png.
 """
 
 from __future__ import annotations
@@ -157,6 +157,33 @@ def measure(servers: dict, sets: dict, args) -> dict:
     return results
 
 
+def plot(results: dict, path: Path) -> None:
+    """Throughput over plain vLLM per mode (median, min-max bars), per store, prompt set and concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(store, name, by_c) for store, sets in results.items() for name, by_c in sets.items()]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True, squeeze=False)
+    for ax, (store, name, by_c) in zip(axes[0], panels):
+        modes = list(next(iter(by_c.values()))["over_plain"])
+        width = 0.8 / len(by_c)
+        for n, (concurrency, figures) in enumerate(by_c.items()):
+            ratios = [figures["over_plain"][m] for m in modes]
+            medians = [r["median"] for r in ratios]
+            spread = [[r["median"] - r["min"] for r in ratios], [r["max"] - r["median"] for r in ratios]]
+            ax.bar([k + n * width for k in range(len(modes))], medians, width, yerr=spread, capsize=2, label=concurrency)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks([k + width * (len(by_c) - 1) / 2 for k in range(len(modes))], modes, rotation=30, ha="right", fontsize=8)
+        ax.set_title(f"{store}, {name.replace('_', '-')}", fontsize=9)
+    axes[0][0].set_ylabel("generated tok/s over plain vLLM")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def server_config(name: str, corpora: dict) -> dict:
     config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
     config.pop("port")  # three servers: each on a free port
@@ -206,6 +233,7 @@ def main() -> None:
         "results": results,
     }
     args.out.write_text(json.dumps(report, indent=1) + "\n")
+    plot(results, args.out.with_suffix(".png"))
     print(json.dumps(results, indent=1))
 
 
