@@ -366,7 +366,8 @@ def test_speculative_decoding_serves_what_is_served_without_it(knn_server, specu
     """Every draft row gets its own search (or pointers, from the row before it), so vLLM verifies
     the drafts against the kNN-LM itself: the same tokens and logprobs as decoding without drafts,
     with kNN off, the defaults, λ 1, pointers and a batch mixing datastores and knobs. The prompt
-    holds the memorised text, so prompt lookup has drafts to propose, and they are accepted."""
+    holds the memorised text, so prompt lookup has drafts to propose, and they are accepted. Prompt
+    logprobs are served as without speculation."""
     prompt = token_ids["a"] + token_ids["a"][1 : len(PREFIX.split()) + 2]
     requests = [{}, *MIXED_REQUESTS, {"knn_datastore": "a", "knn_lambda": 1.0, "knn_pointers": 1}]
     expected = [complete(knn_server, prompt, **x) for x in requests]
@@ -381,6 +382,11 @@ def test_speculative_decoding_serves_what_is_served_without_it(knn_server, specu
             assert choice.token_ids == want.token_ids
             np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4)
     assert accepted() - before >= len(requests)  # drafts were verified and accepted, not just proposed
+    np.testing.assert_allclose(  # prompt logprobs (the served-perplexity path) are the mixture's too
+        prompt_logprobs(server, token_ids["b"], knn_datastore="b", knn_lambda=0.5),
+        prompt_logprobs(knn_server, token_ids["b"], knn_datastore="b", knn_lambda=0.5),
+        atol=1e-4,
+    )
 
 
 def rows_counted(server, send) -> tuple[float, float]:
