@@ -3,7 +3,7 @@
 Every knob a user can turn lives here, with its default and its meaning; the CLIs only map
 their flags onto these models. A process gets its settings by one route: the launcher passes
 `ServeConfig` explicitly, and vLLM's worker processes get the serving runtime (built from
-`KnnConfig`) through vLLM's own worker RPC (knnlm_serve.engine.vllm_adapter).
+`KnnConfig`) through vLLM's own worker RPC (knnlm_serve.engine.worker_extension).
 """
 
 from __future__ import annotations
@@ -170,6 +170,12 @@ class KnnConfig(_Strict):
         "predicted its newest token is given up to this many of the stored tokens that follow, which vLLM verifies "
         "against the kNN-LM in the next step (the same output, faster where the text is stored); 0 = off. Sets "
         "vLLM's speculative config, so vllm_args may not set one too",
+    )
+    model_runner: Literal["auto", "v1", "v2"] = Field(
+        "auto",
+        description="vLLM's model runner kNN serves on. auto: vLLM's own choice, which is Model Runner V2 where Triton "
+        "has a backend for the device (every CUDA host) and V1 elsewhere, and V1 with datastore drafts (V2 loads no "
+        "custom drafter); v1, v2: that runner, or a clear refusal at startup where it cannot serve",
     )
     replicas: int = Field(1, ge=1, description="actors per shard; a step asks one, another when it fails or is late (spread over nodes)")
     shard_resources: dict[str, float] = Field(

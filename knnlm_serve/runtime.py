@@ -2,7 +2,7 @@
 
 `Runtime` is everything a worker needs to serve kNN: the settings, the serving datastore versions
 and the default. The registry owns it and pushes every change to the workers through vLLM's worker
-RPC (engine/vllm_adapter.py); a worker applies it between two steps.
+RPC (engine/worker_extension.py); a worker applies it between two steps.
 """
 
 from __future__ import annotations

@@ -284,29 +284,51 @@ def test_datastore_drafts_set_vllms_speculative_config_and_refuse_a_second_one()
         draft_flags(ServeConfig(knn={"draft_tokens": 3}, vllm_args=ngram))
 
 
-def test_the_engine_environment_selects_the_v1_model_runner_even_where_triton_is_present(monkeypatch):
-    """vLLM picks Model Runner V2 on every Triton (every CUDA) host, and V2 would refuse our logits
-    processor; the environment knnlm-serve and knnlm-eval hand vLLM keeps it on V1."""
+@pytest.mark.parametrize("triton", [True, False])
+def test_knn_model_runner_picks_vllms_runner_through_vllms_own_choice(monkeypatch, triton):
+    """auto is Model Runner V2 where Triton has a backend for the device (every CUDA host) and V1
+    elsewhere or with datastore drafts; v1 is V1 everywhere; v2 is V2 where it can run."""
     import vllm.config.vllm as vllm_config_module
     from vllm.config import VllmConfig
 
-    from knnlm_serve.engine.plugin import vllm_environment
-
-    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    assert VllmConfig().use_v2_model_runner  # vLLM's own choice on a Triton host
-    for key, value in vllm_environment().items():
-        monkeypatch.setenv(key, value)
-    assert not VllmConfig().use_v2_model_runner
-
-
-def test_asking_for_model_runner_v2_with_knn_is_refused_naming_the_setting(monkeypatch):
     from knnlm_core.errors import KnnlmError
-    from knnlm_serve.engine.plugin import vllm_environment
+    from knnlm_serve.engine.plugin import RUNNER_VARIABLE, choose_model_runner, vllm_environment
 
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(KnnlmError, match="VLLM_USE_V2_MODEL_RUNNER"):
-        vllm_environment()
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", triton)
+
+    def served_on(model_runner: str, drafts: bool = False) -> str:
+        monkeypatch.delenv(RUNNER_VARIABLE, raising=False)
+        chosen, _ = choose_model_runner(model_runner, drafts)
+        for key, value in vllm_environment(model_runner=model_runner, drafts=drafts).items():
+            monkeypatch.setenv(key, value)
+        actual = "v2" if VllmConfig().use_v2_model_runner else "v1"
+        assert actual == chosen, (model_runner, drafts, actual, chosen)
+        return actual
+
+    assert served_on("auto") == ("v2" if triton else "v1")
+    assert served_on("auto", drafts=True) == "v1"
+    assert served_on("v1") == "v1"
+    if triton:
+        assert served_on("v2") == "v2"
+    else:
+        with pytest.raises(KnnlmError, match="knn.model_runner: v2 .*Triton"):
+            served_on("v2")
+    with pytest.raises(KnnlmError, match="knn.model_runner: v2 .*knn.draft_tokens"):
+        served_on("v2", drafts=True)
+
+
+def test_a_runner_environment_variable_that_disagrees_with_knn_model_runner_is_refused_naming_both(monkeypatch):
+    from knnlm_core.errors import KnnlmError
+    from knnlm_serve.engine.plugin import RUNNER_VARIABLE, choose_model_runner
+
+    monkeypatch.setenv(RUNNER_VARIABLE, "1")
+    with pytest.raises(KnnlmError, match=f"{RUNNER_VARIABLE}=1 and knn.model_runner: v1 disagree"):
+        choose_model_runner("v1", drafts=False)
+    monkeypatch.setenv(RUNNER_VARIABLE, "0")
+    assert choose_model_runner("auto", drafts=False) == ("v1", f"knn.model_runner: auto, {RUNNER_VARIABLE}=0")  # honoured under auto
+    monkeypatch.setenv(RUNNER_VARIABLE, "true")
+    with pytest.raises(KnnlmError, match="accepts 0 or 1"):
+        choose_model_runner("auto", drafts=False)
 
 
 def test_workers_get_no_admin_token_and_no_datastore_root():

@@ -2,7 +2,7 @@
 version and last neighbours.
 
 The adapter reads each request's vLLM state (its `extra_args` and token lists) from the runner
-the first time one of its rows reaches a step (vllm_adapter.StepView.request). Its defaults are
+the first time one of its rows reaches a step (the runner adapter's StepView.request). Its defaults are
 filled and its datastore version pinned then: a hot-swap never changes a running request's
 datastore, and a step never mixes versions for one request. A request the runner no longer holds
 is forgotten at the next step.

@@ -1,7 +1,7 @@
 """kNN-LM in a vLLM worker: from one `compute_logits` call to the mixed logits, top to bottom.
 
-Per call (one per step for the sampling rows, one per request for prompt-logprob rows):
-  1. rows: each logits row's token in the step and its request's batch slot (vllm_adapter); under
+Per call (one per step for the sampling rows, more for prompt-logprob rows):
+  1. rows: each logits row's token in the step and its request's batch slot (the runner's adapter); under
      speculative decoding a request has a sampling row per draft token and one more;
   2. plan: each row's kNN settings and pinned datastore version (batch_requests), and the rows of
      active requests grouped by pinned version;
@@ -39,6 +39,7 @@ from knnlm_serve.engine.faults import Faults
 from knnlm_serve.engine.knn_mixer import KnnMixer, Neighbours, PendingRows
 from knnlm_serve.engine.request_params import KnnParams
 from knnlm_serve.engine.rows import LogitsRows
+from knnlm_serve.engine.tensor_parallel import FirstRank
 from knnlm_serve.retrieval import make_retriever
 from knnlm_serve.runtime import DatastoreInfo, Runtime
 
@@ -64,7 +65,8 @@ class StepPlan:
 class KnnLogits:
     def __init__(self, runtime: Runtime, capture: KeyCapture, step):
         self.runtime = runtime
-        self.step = step  # vllm_adapter.StepView: the runner's view of this step
+        self.step = step  # the runner's view of this step (vllm_adapter.StepView, vllm_adapter_v2.StepView)
+        self.first_rank = FirstRank()
         self.batch = BatchRequests(step.running)
         self.faults = Faults()  # errors here serve rows LM-only (engine/faults.py)
         self.faults.fail_open = runtime.knn.fail_open
@@ -108,7 +110,7 @@ class KnnLogits:
             try:
                 first = self._rounds(plan, group)[0]
                 keys = ffn_input[torch.as_tensor(rows.token_index[first], device=ffn_input.device)]
-                plan.started[key] = self._start(plan, first, info, keys) if self.step.tp_rank == 0 else None
+                plan.started[key] = self._start(plan, first, info, keys) if self.first_rank.rank == 0 else None
             except Exception as e:  # noqa: BLE001 - fail open: these rows are served LM-only
                 self.faults.failed("key_ready", e, len(group), key)
                 plan.started[key] = e
@@ -176,11 +178,11 @@ class KnnLogits:
         for i, members in enumerate(self._rounds(plan, group)):
             searched = [r for r in members if r in to_search]
             if i == 0 and key in plan.started:  # begun mid-forward: collected even if every row was skipped
-                found = self.step.on_first_rank(self.mixer.finish, plan.started.pop(key), [members.index(r) for r in searched])
+                found = self.first_rank.run(self.mixer.finish, plan.started.pop(key), [members.index(r) for r in searched])
             elif searched:
                 token_index = torch.as_tensor(rows.token_index[searched], device=hidden_states.device)
                 keys = self.capture.keys(info.key_type, token_index, hidden_states[searched])
-                found = self.step.on_first_rank(self._search, plan, searched, info, keys)
+                found = self.first_rank.run(self._search, plan, searched, info, keys)
             if not searched:
                 continue
             if evidence:
@@ -240,7 +242,7 @@ class KnnLogits:
                 fed = self.step.drafts(slot)[draft - 1]
             plan.last.append(last)
             plan.fed.append(fed)
-            if not request.params.active:
+            if not request.params.active or (rows.kept is not None and not rows.kept[row]):
                 continue
             if request.pinned is None:  # unloaded between admission and the request's first step
                 metrics.FALLBACKS.labels(request.params.datastore, "datastore_unloaded").inc()

@@ -3,7 +3,7 @@
 One generic subclass per served architecture, made on demand (`knnlm_serve.engine.models:<Arch>`
 is what `register()` hands vLLM): it captures the keys during the forward pass and mixes p_kNN
 into what the model's own `compute_logits` returns, i.e. after any soft-cap or scale. Until the
-worker is attached (vllm_adapter.KnnWorkerExtension.knnlm_attach) it behaves as the base class.
+worker is attached (worker_extension.KnnWorkerExtension.knnlm_attach) it behaves as the base class.
 """
 
 from __future__ import annotations

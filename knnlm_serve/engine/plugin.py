@@ -45,24 +45,52 @@ def register() -> None:
         ModelRegistry.register_model(architecture, f"knnlm_serve.engine.models:{architecture}")
 
 
-def vllm_environment(plugins: tuple[str, ...] = (PLUGIN_NAME,)) -> dict[str, str]:
+def vllm_environment(plugins: tuple[str, ...] = (PLUGIN_NAME,), model_runner: str = "auto", drafts: bool = False) -> dict[str, str]:
     """What vLLM's processes must inherit for kNN: our plugins allowlisted (beside any the user
     allowlisted, or every installed general plugin when the user set none), no compile cache
-    (its key ignores our capture hooks, so a cached graph could silently drop them), and vLLM's V1
-    model runner, which every Triton host (every CUDA host) would otherwise replace by Model
-    Runner V2: our adapter reads V1's batch (docs/model-runner-v2.md says what a port to V2 needs)."""
+    (its key ignores our capture hooks, so a cached graph could silently drop them), and the
+    model runner `knn.model_runner` names (auto: vLLM's own choice)."""
     from importlib.metadata import entry_points
 
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
-        raise KnnlmError(
-            "VLLM_USE_V2_MODEL_RUNNER asks for vLLM's Model Runner V2, and kNN serving runs on the V1 model runner: "
-            "unset it, or serve without knn.datastores"
-        )
     allowed = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     if not allowed:
         allowed = [e.name for e in entry_points(group="vllm.general_plugins")]
-    return {
-        "VLLM_PLUGINS": ",".join(dict.fromkeys([*plugins, *allowed])),
-        "VLLM_DISABLE_COMPILE_CACHE": "1",
-        "VLLM_USE_V2_MODEL_RUNNER": "0",
-    }
+    environment = {"VLLM_PLUGINS": ",".join(dict.fromkeys([*plugins, *allowed])), "VLLM_DISABLE_COMPILE_CACHE": "1"}
+    runner, _ = choose_model_runner(model_runner, drafts)
+    if runner == "v1" or model_runner == "v2":  # auto's V2 stays vLLM's choice: it falls back to V1 for what V2 lacks
+        environment[RUNNER_VARIABLE] = "1" if runner == "v2" else "0"
+    return environment
+
+
+RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def choose_model_runner(model_runner: str, drafts: bool) -> tuple[str, str]:
+    """The runner vLLM will serve kNN on ("v1" or "v2") for `knn.model_runner`, and why; an
+    impossible choice is refused here, before anything starts."""
+    from knnlm_serve.engine.vllm_adapter import has_triton
+
+    own = os.environ.get(RUNNER_VARIABLE, "").strip()
+    if own not in ("", "0", "1"):
+        raise KnnlmError(f"{RUNNER_VARIABLE}={own!r}: vLLM accepts 0 or 1; unset it and choose with knn.model_runner")
+    if own and model_runner != "auto" and (own == "1") != (model_runner == "v2"):
+        raise KnnlmError(f"{RUNNER_VARIABLE}={own} and knn.model_runner: {model_runner} disagree: unset {RUNNER_VARIABLE}")
+    wanted = model_runner if model_runner != "auto" else {"1": "v2", "0": "v1"}.get(own, "auto")
+    why = f"knn.model_runner: {model_runner}" + (f", {RUNNER_VARIABLE}={own}" if own else "")
+    if wanted == "v1":
+        return "v1", why
+    if drafts:
+        if wanted == "v2":
+            raise KnnlmError(
+                f"{why} asks for vLLM's Model Runner V2, which loads no custom drafter, and knn.draft_tokens needs one: "
+                "set knn.model_runner: v1 (or auto), or knn.draft_tokens: 0"
+            )
+        return "v1", f"{why}: datastore drafts (knn.draft_tokens) need V1's custom drafter"
+    if not has_triton():
+        if wanted == "v2":
+            raise KnnlmError(
+                f"{why} asks for vLLM's Model Runner V2, which needs Triton with a backend for this device, and vLLM found "
+                "none: set knn.model_runner: auto or v1"
+            )
+        return "v1", f"{why}: Triton has no backend for this device, so V2 cannot run here"
+    return "v2", why if wanted == "v2" else f"{why}: Triton has a backend for this device"

@@ -4,7 +4,8 @@ vLLM flattens a step's tokens request by request; `query_start_loc[i]` is where 
 batch slot i starts. A sampling call has, per request, its last scheduled token and, under
 speculative decoding, the `d` tokens before it, which are the request's draft tokens: d + 1 rows,
 the j-th one predicting the token after the first j drafts (`draft` = j). A prompt-logprob call
-has a run of consecutive tokens of one request.
+has a run of consecutive tokens of one request (V1), or of the whole step (Model Runner V2, which
+keeps only the rows of requests that asked).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class LogitsRows:
     slot: np.ndarray  # int64 [n]: the row's request in the persistent batch
     sampling: bool  # the rows vLLM samples (and verifies drafts) from
     draft: np.ndarray  # int64 [n]: how many of the request's draft tokens the row's context holds (0 without speculation)
+    kept: np.ndarray | None = None  # bool [n]: the rows whose logits vLLM uses (None: all); the others are not mixed
 
 
 def sampling_rows(query_start_loc: np.ndarray, num_reqs: int, drafts: np.ndarray | None = None) -> LogitsRows:

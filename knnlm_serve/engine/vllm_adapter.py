@@ -1,4 +1,5 @@
-"""Everything knnlm-serve reads from vLLM's V1 model runner, in one place, checked at startup.
+"""Everything knnlm-serve reads from vLLM's workers and V1 model runner, in one place, checked at
+startup (Model Runner V2's reads are in vllm_adapter_v2).
 
 vLLM's public interfaces carry the per-request settings (`SamplingParams.extra_args`) and the
 worker RPC (`--worker-extension-cls`, `collective_rpc`). What they do not carry is read here:
@@ -10,7 +11,7 @@ worker RPC (`--worker-extension-cls`, `collective_rpc`). What they do not carry 
   * `runner.requests`: each running request's `SamplingParams`, prompt and output token lists;
   * prompt-logprob calls pass a view of the model's output (a slice of `hidden[start:start+n]`),
     sampling calls a gathered copy (`hidden[logits_indices]`): told apart by storage;
-  * `runner.get_model()`: our model.
+  * `worker.model_runner.get_model()`: our model; `worker.use_v2_model_runner`: which runner.
 Plus the original model class of an architecture (`_TEXT_GENERATION_MODELS`), to wrap it, and
 one thing written: our mid-forward op added to the compilation's `splitting_ops` (`eager_at_replay`).
 `self_check` verifies each of these when a worker is attached, and fails with one line naming
@@ -20,10 +21,7 @@ the vLLM version instead of serving wrong logits after a vLLM upgrade.
 from __future__ import annotations
 
 import importlib
-import json
 import logging
-import os
-import socket
 from collections.abc import Collection
 
 import numpy as np
@@ -32,21 +30,17 @@ import torch
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve.engine.batch_requests import BatchRequest
 from knnlm_serve.engine.rows import LogitsRows, prompt_rows, sampling_rows
-from knnlm_serve.runtime import Runtime
 
 logger = logging.getLogger("knnlm_serve")
 
 TESTED_VLLM = "0.32"
-EXTENSION = "knnlm_serve.engine.vllm_adapter.KnnWorkerExtension"
-ATTACH, SET_RUNTIME, WORKER_STATE = "knnlm_attach", "knnlm_set_runtime", "knnlm_worker_state"
-TAKE_EXPLANATION = "knnlm_take_explanation"
 
 
 class VllmInternalsError(KnnlmError):
     kind = ErrorKind.UNAVAILABLE
 
 
-def _incompatible(what: str) -> VllmInternalsError:
+def incompatible(what: str) -> VllmInternalsError:
     import vllm
 
     return VllmInternalsError(
@@ -61,7 +55,7 @@ def vllm_model_class(architecture: str) -> type[torch.nn.Module]:
 
     models = getattr(registry, "_TEXT_GENERATION_MODELS", None)
     if not isinstance(models, dict) or architecture not in models:
-        raise _incompatible(f"the text-generation model table has no {architecture}")
+        raise incompatible(f"the text-generation model table has no {architecture}")
     module, name = models[architecture]
     return getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), name)
 
@@ -87,7 +81,7 @@ def eager_at_replay(vllm_config, op: str) -> None:
 
 
 def self_check(worker):
-    """The runner, after checking every internal this module reads."""
+    """The V1 runner, after checking every internal this module reads."""
     runner = getattr(worker, "model_runner", None)
     batch = getattr(runner, "input_batch", None)
     checks = [
@@ -103,19 +97,32 @@ def self_check(worker):
     ]
     for ok, what in checks:
         if not ok:
-            raise _incompatible(what)
+            raise incompatible(what)
     return runner
 
 
+def has_triton() -> bool:
+    """Whether vLLM found a Triton backend for this device, which its choice of runner reads."""
+    import vllm.config.vllm
+
+    return bool(vllm.config.vllm.HAS_TRITON)
+
+
+def served_model(worker) -> torch.nn.Module:
+    return worker.model_runner.get_model()
+
+
+def uses_model_runner_v2(worker) -> bool:
+    """Whether vLLM gave this worker its Model Runner V2 (`VllmConfig.use_v2_model_runner`)."""
+    return bool(getattr(worker, "use_v2_model_runner", False))
+
+
 class StepView:
-    """The runner's view of the current step, for one worker."""
+    """The V1 runner's view of the current step, for one worker."""
 
     def __init__(self, runner):
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
         self._runner = runner
         self._speculating = runner.speculative_config is not None
-        self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
     def rows_of(self, hidden_states: torch.Tensor, model_output: torch.Tensor | None) -> LogitsRows | None:
         """Each logits row's token and request slot; None for calls outside a real step (warm-up)."""
@@ -132,7 +139,7 @@ class StepView:
             return prompt_rows(query_start_loc, num_reqs, first, hidden_states.shape[0])
         rows = self.sampling_rows()
         if hidden_states.shape[0] != len(rows.slot):
-            raise _incompatible(
+            raise incompatible(
                 f"a sampling call had {hidden_states.shape[0]} rows for {num_reqs} requests and {len(rows.slot) - num_reqs} drafts"
             )
         return rows
@@ -168,82 +175,3 @@ class StepView:
         """Each row's token position in its request (prompt and output tokens counted together)."""
         query_start_loc = self._runner.query_start_loc.np
         return self._runner.input_batch.num_computed_tokens_cpu[rows.slot] + rows.token_index - query_start_loc[rows.slot]
-
-    def on_first_rank(self, search, *args):
-        """`search(*args)` on tensor-parallel rank 0 only; every rank gets its result, or raises its
-        error (the others would otherwise wait for the broadcast forever)."""
-        if self.tp_size == 1:
-            return search(*args)
-        from vllm.distributed import get_tp_group
-
-        result = None
-        if self.tp_rank == 0:
-            try:
-                result = search(*args)
-            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
-                result = _Failed(f"{type(e).__name__}: {e}")
-        result = get_tp_group().broadcast_object(result, src=0)
-        if isinstance(result, _Failed):
-            raise RuntimeError(f"kNN search on tensor-parallel rank 0 failed: {result.error}")
-        return result
-
-
-class _Failed:
-    def __init__(self, error: str):
-        self.error = error
-
-
-class KnnWorkerExtension:
-    """Worker RPC methods (vLLM's `--worker-extension-cls`), called with `collective_rpc`."""
-
-    def knnlm_attach(self, runtime_json: str) -> dict:
-        from knnlm_serve.engine.knn_logits import KnnLogits
-
-        runner = self_check(self)
-        model = runner.get_model()
-        if not hasattr(model, "knn_capture"):
-            raise KnnlmError(
-                f"the served model {type(model).__name__} is not kNN-wrapped: is `knnlm` in VLLM_PLUGINS and its "
-                "architecture supported? (knnlm-serve sets both up)"
-            )
-        model.knn_logits = KnnLogits(Runtime.model_validate_json(runtime_json), model.knn_capture, StepView(runner))
-        logger.info("kNN attached to %s", type(model).__name__)
-        # The cores vLLM bound this worker's threads to (all of them where it binds none): shard
-        # actors on this host keep off them (ShardActor.keep_off).
-        return {
-            "model": type(model).__name__,
-            "ffn_input": model.knn_capture.has_ffn_input,
-            "host": socket.gethostname(),
-            "cpus": sorted(os.sched_getaffinity(0)),
-        }
-
-    # The methods below answer the registry between two steps. An error in one never leaves the
-    # worker: it comes back as {"error": ...} for the API server to report (engine/faults.py).
-
-    def knnlm_set_runtime(self, runtime_json: str) -> dict:
-        return _answer(lambda: self.model_runner.get_model().knn_logits.set_runtime(Runtime.model_validate_json(runtime_json)))
-
-    def knnlm_take_explanation(self, explain_id: str) -> dict:
-        """The recorded rows of an explained request (JSON), once."""
-        return _answer(lambda: json.dumps(self.model_runner.get_model().knn_logits.explanations.take(explain_id)))
-
-    def knnlm_worker_state(self) -> dict:
-        """Versions a running request is pinned to, and versions stopped after repeated errors."""
-
-        def state() -> dict:
-            knn = self.model_runner.get_model().knn_logits
-            knn.set_runtime(knn.runtime)  # also releases versions no request uses any more
-            return {
-                "pinned": [list(key) for key in knn.batch.pinned_versions()],
-                "unhealthy": [[*key, error] for key, error in knn.faults.unhealthy.items()],
-            }
-
-        return _answer(state)
-
-
-def _answer(call) -> dict:
-    try:
-        return {"result": call()}
-    except Exception as e:  # noqa: BLE001 - reported to the API server, which refuses what it asked
-        logger.exception("kNN worker RPC failed")
-        return {"error": f"{type(e).__name__}: {e}"}

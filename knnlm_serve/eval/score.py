@@ -31,7 +31,7 @@ def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
     from vllm import LLM
 
     from knnlm_serve.engine.plugin import vllm_environment
-    from knnlm_serve.engine.vllm_adapter import ATTACH, EXTENSION
+    from knnlm_serve.engine.worker_extension import ATTACH, EXTENSION
 
     k = max(config.ks)
     runtime = Runtime(knn=KnnConfig(backend="local", k=k, max_k=k), datastores={datastore.name: datastore}, default=datastore.name)

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from knnlm_core.config import KeyType
 from knnlm_core.errors import DatastoreError, ErrorKind, KnnlmError
 from knnlm_serve.app_state import published_registry
-from knnlm_serve.engine.vllm_adapter import ATTACH, SET_RUNTIME, WORKER_STATE
+from knnlm_serve.engine.worker_extension import ATTACH, SET_RUNTIME, WORKER_STATE
 from knnlm_serve.runtime import Runtime
 from knnlm_serve.server.admin_access import admin_registry, check_name, parse_body, resolve_in_root
 from knnlm_serve.server.http_errors import STATUS, http_error
@@ -107,7 +107,7 @@ class VllmEngineLink:
         self._engine_client, self._loop = engine_client, loop
 
     def _call(self, method: str, *args) -> list:
-        """Each worker's answer; a worker's error (vllm_adapter's `_answer`) refuses what was asked."""
+        """Each worker's answer; a worker's error (worker_extension's `_answer`) refuses what was asked."""
         rpc = self._engine_client.collective_rpc(method, timeout=RPC_TIMEOUT_S, args=args)
         answers = asyncio.run_coroutine_threadsafe(rpc, self._loop).result(RPC_TIMEOUT_S)
         for answer in answers:

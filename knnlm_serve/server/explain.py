@@ -44,7 +44,7 @@ from knnlm_serve.engine.request_params import (
     raw_type_error,
     with_defaults,
 )
-from knnlm_serve.engine.vllm_adapter import TAKE_EXPLANATION
+from knnlm_serve.engine.worker_extension import TAKE_EXPLANATION
 from knnlm_serve.server.http_errors import http_error
 
 logger = logging.getLogger("knnlm_serve")

@@ -58,18 +58,16 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     Imports prometheus_client (through our metrics) only now, after main() chose its mode."""
     import torch
 
-    from knnlm_serve.engine.plugin import SUPPORTED_ARCHITECTURES, vllm_environment
-    from knnlm_serve.engine.vllm_adapter import EXTENSION
+    from knnlm_serve.engine.plugin import SUPPORTED_ARCHITECTURES, choose_model_runner, vllm_environment
+    from knnlm_serve.engine.worker_extension import EXTENSION
 
     graph_flags = cuda_graph_flags(config, cuda=torch.cuda.is_available())  # refused before Ray starts
     drafts = draft_flags(config)
-    environment = vllm_environment(plugins=("knnlm", "knnlm_admin"))
+    runner, why = choose_model_runner(config.knn.model_runner, bool(drafts))
+    environment = vllm_environment(plugins=("knnlm", "knnlm_admin"), model_runner=config.knn.model_runner, drafts=bool(drafts))
     v2_only = [a for a in config.vllm_args if a.split("=", 1)[0] in V2_ONLY_FLAGS]
-    if v2_only:
-        raise ConfigError(
-            f"vllm_args {v2_only[0]} needs vLLM's Model Runner V2, and kNN serving runs on the V1 model runner: "
-            "remove it, or serve without knn.datastores"
-        )
+    if v2_only and runner == "v1":
+        raise ConfigError(f"vllm_args {v2_only[0]} needs vLLM's Model Runner V2, and kNN serves on V1 here ({why}): remove it")
     architecture = architecture_of(model_dir)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
@@ -95,7 +93,7 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
     publish_registry(registry)
     os.environ.update(environment)
-    logger.info("kNN runs on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0): the adapter reads V1's batch")
+    logger.info("kNN serves on vLLM's model runner %s (%s)", runner.upper(), why)
     return ["--worker-extension-cls", EXTENSION, *graph_flags, *drafts]
 
 

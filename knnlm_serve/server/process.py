@@ -26,8 +26,10 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, config: dict, workdir: Path, startup_timeout: float = 900):
+    def __init__(self, config: dict, workdir: Path, startup_timeout: float = 900, env: dict[str, str] | None = None):
         import yaml
+
+        self.env = {**os.environ, **(env or {})}
 
         self.port = config.get("port") or free_port()
         self.config = {**config, "port": self.port, "host": "127.0.0.1"}
@@ -44,7 +46,7 @@ class RunningServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=os.environ.copy(),
+            env=self.env,
         )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

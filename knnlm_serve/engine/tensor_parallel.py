@@ -1,0 +1,36 @@
+"""kNN search on the first tensor-parallel rank only, its answer shared with the other ranks.
+
+Every rank computes the same logits rows; one search per step is enough, and ranks that searched
+separately could disagree (a shard timing out for one of them) and sample different tokens."""
+
+from __future__ import annotations
+
+
+class FirstRank:
+    def __init__(self) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        self.rank, self.size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+    def run(self, search, *args):
+        """`search(*args)` on rank 0; every rank gets its result, or raises its error (the others
+        would otherwise wait for the broadcast forever)."""
+        if self.size == 1:
+            return search(*args)
+        from vllm.distributed import get_tp_group
+
+        result = None
+        if self.rank == 0:
+            try:
+                result = search(*args)
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                result = _Failed(f"{type(e).__name__}: {e}")
+        result = get_tp_group().broadcast_object(result, src=0)
+        if isinstance(result, _Failed):
+            raise RuntimeError(f"kNN search on tensor-parallel rank 0 failed: {result.error}")
+        return result
+
+
+class _Failed:
+    def __init__(self, error: str):
+        self.error = error
