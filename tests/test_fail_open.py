@@ -7,19 +7,16 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 import requests
 from conftest import TINY_SERVER, continuations, greedy, stream_while, until
+from datastore_edits import calibrated, rewritten, save
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
-from knnlm_core.datastore import sealed
-from knnlm_core.files import sha256_file
-from knnlm_core.manifest import MANIFEST
 from knnlm_serve.server.process import RunningServer, scrape_metrics
 
 pytestmark = pytest.mark.slow
@@ -32,48 +29,6 @@ ENDINGS = (
 TEXTS = {name: f"{PREFIX} {ending}" for name, ending in ENDINGS}
 TOKEN = "s3cret-admin-token"
 CONTINUATION = 12
-CALIBRATION = {
-    "lambda": 1.0,
-    "temperature": 1.0,
-    "k": 8,
-    "adaptive_lambda": {"lambda_max": 1.0, "slope": 1.0, "center": 0.0},
-    "mode": "fixed",
-    "tokens": 100,
-    "base_ppl": 20.0,
-    "knn_ppl": 10.0,
-    "adaptive_ppl": 10.0,
-    "heldout": "a test's made-up calibration",
-    "nprobe": None,
-    "created": "2026-11-25T00:00:00",
-}
-
-
-def rewritten(root: Path, name: str, source: str, edit) -> None:
-    """A copy of datastore `source` as a buggy tool or a half-finished copy would leave it:
-    `edit(directory, manifest)` changes files or the manifest, and the manifest's sizes, checksums
-    and its own checksum are then recomputed to match."""
-    shutil.copytree(root / source, root / name)
-    manifest = json.loads((root / name / MANIFEST).read_text())
-    edit(root / name, manifest)
-    entries = [manifest["documents"], manifest["provenance"], *(s[f] for s in manifest["shards"] for f in ("index", "values"))]
-    for entry in entries:
-        entry.update(bytes=(root / name / entry["path"]).stat().st_size, sha256=sha256_file(root / name / entry["path"]))
-    manifest.pop("checksum")
-    (root / name / MANIFEST).write_text(json.dumps(sealed(manifest)))
-
-
-def save(path: Path, array: np.ndarray) -> None:
-    with open(path, "wb") as f:
-        np.save(f, array, allow_pickle=True)
-
-
-def calibrated(**changes):
-    def edit(directory, manifest):
-        manifest["calibration"] = {**CALIBRATION, **changes}
-
-    return edit
-
-
 BAD_STORES = {
     # name: (edit, the file and field the refusal must name)
     "documents-object": (lambda d, m: save(d / "documents.npy", np.array([0, "x"], dtype=object)), "documents.npy"),
