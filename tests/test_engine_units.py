@@ -317,6 +317,16 @@ def test_knn_model_runner_picks_vllms_runner_through_vllms_own_choice(monkeypatc
         served_on("v2", drafts=True)
 
 
+def test_an_option_only_model_runner_v2_serves_is_refused_where_knn_serves_on_v1(tmp_path):
+    from knnlm_core.config import ServeConfig
+    from knnlm_core.errors import ConfigError
+    from knnlm_serve.server.launcher import start_knn
+
+    config = ServeConfig(knn={"datastores": {"a": "a"}, "model_runner": "v1"}, vllm_args=["--watermark-config", "{}"])
+    with pytest.raises(ConfigError, match="--watermark-config needs vLLM's Model Runner V2.*knn.model_runner: v1"):
+        start_knn(config, tmp_path)  # refused before anything starts
+
+
 def test_a_runner_environment_variable_that_disagrees_with_knn_model_runner_is_refused_naming_both(monkeypatch):
     from knnlm_core.errors import KnnlmError
     from knnlm_serve.engine.plugin import RUNNER_VARIABLE, choose_model_runner
