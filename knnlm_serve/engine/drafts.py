@@ -5,8 +5,11 @@ step, the row its newest token was sampled from kept its neighbours (batch_reque
 nearest of them predicted that token, the entries after them start a chain: where the stored
 text goes on. The chain moves along with the request's tokens for as long as they match the
 stored ones, also through steps whose rows were not searched (the skip rule), and the stored
-tokens ahead of it are the draft (knnlm_core.pointers.chain_*). Off the stored text there is no
-chain and no draft: a lookup per request and step. vLLM's V1 runner loads this class as a
+tokens ahead of it are the draft (knnlm_core.pointers.chain_*). The draft grows with the tokens
+the request has followed its chain for: one token for a new chain (where a nearest neighbour
+predicted a common token by chance, the rejected draft costs one verification row), then up to
+`num_speculative_tokens`. Off the stored text there is no chain and no draft: a lookup per
+request and step. vLLM's V1 runner loads this class as a
 `custom_class` proposer and calls `propose` after each step; the next step verifies the drafts
 against the logits KnnLogits mixes row by row, so the output is the kNN-LM's own and drafts
 change only the speed. An error means no drafts for that step, counted.
@@ -30,6 +33,7 @@ class Chain:
     version: tuple[str, int]
     outputs: int  # the request's output tokens when the chain was last moved
     entries: np.ndarray  # the entries whose stored text the request is reading (knnlm_core.pointers)
+    followed: int  # the tokens the request has produced along the chain since it started
 
 
 class DatastoreDrafter:
@@ -84,15 +88,16 @@ class DatastoreDrafter:
         if starts is None:
             return []
         values_at = knn.mixer.values(info).at
-        entries = np.zeros(0, dtype=np.int64)
+        entries, followed = np.zeros(0, dtype=np.int64), 0
         if chain is not None and chain.version == info.key:
-            entries = chain_advance(chain.entries, request.output_tokens[chain.outputs :], starts, values_at)
+            produced = request.output_tokens[chain.outputs :]
+            entries, followed = chain_advance(chain.entries, produced, starts, values_at), chain.followed + len(produced)
         if len(entries) == 0 and (sampled := request.last_sampled()) is not None:
             last, token = sampled
-            entries = chain_start(last.ids, last.tokens, token, starts)
+            entries, followed = chain_start(last.ids, last.tokens, token, starts), 0
         if len(entries):
-            self._chains[request_id] = Chain(info.key, len(request.output_tokens), entries)
-        return chain_draft(entries, self.length, starts, values_at)
+            self._chains[request_id] = Chain(info.key, len(request.output_tokens), entries, followed)
+        return chain_draft(entries, min(self.length, followed + 1), starts, values_at)
 
 
 def _count_accepted(request: BatchRequest, datastore: str, outputs: int, draft: list[int]) -> None:
