@@ -370,3 +370,12 @@ def test_a_draft_is_the_stored_text_the_request_is_reading():
     chain = chain_advance(start([0, 5], 5), [6, 1], starts, values_at)  # the request went on as the second document
     assert chain_draft(chain, 8, starts, values_at) == [2, 3]
     assert len(chain_advance(chain, [4], starts, values_at)) == 0  # and then left the stored text
+
+
+def test_prompt_logprob_slices_are_told_from_the_gathered_sampling_rows_by_storage():
+    from knnlm_serve.engine.rows import first_viewed_row
+
+    output = torch.randn(10, 4)
+    assert first_viewed_row(output[3:7], output) == 3  # a prompt-logprob slice starts at its row
+    assert first_viewed_row(output[torch.tensor([2, 5])], output) is None  # the sampling call's gather is a copy
+    assert first_viewed_row(output[3:7], None) is None and first_viewed_row(output[:0], output) is None

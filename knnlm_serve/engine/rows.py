@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 
 @dataclass(frozen=True)
@@ -40,3 +41,15 @@ def prompt_rows(query_start_loc: np.ndarray, num_reqs: int, first_token: int, co
     token_index = np.arange(first_token, first_token + count, dtype=np.int64)
     slot = np.searchsorted(query_start_loc[1 : num_reqs + 1], token_index, side="right")
     return LogitsRows(token_index, slot.astype(np.int64), False, np.zeros(count, dtype=np.int64))
+
+
+def first_viewed_row(hidden_states: torch.Tensor, model_output: torch.Tensor | None) -> int | None:
+    """The row of the model's output where `hidden_states` starts, if it is a view of it (the
+    prompt-logprob calls pass slices); None for a copy (the sampling call gathers its rows)."""
+    if (
+        model_output is None
+        or hidden_states.shape[0] == 0
+        or hidden_states.untyped_storage().data_ptr() != model_output.untyped_storage().data_ptr()
+    ):
+        return None
+    return (hidden_states.storage_offset() - model_output.storage_offset()) // model_output.stride(0)

@@ -29,7 +29,7 @@ import torch
 
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve.engine.batch_requests import BatchRequest
-from knnlm_serve.engine.rows import LogitsRows, prompt_rows, sampling_rows
+from knnlm_serve.engine.rows import LogitsRows, first_viewed_row, prompt_rows, sampling_rows
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -129,14 +129,9 @@ class StepView:
         num_reqs = self._runner.input_batch.num_reqs
         if num_reqs == 0:
             return None
-        query_start_loc = self._runner.query_start_loc.np[: num_reqs + 1]
-        if (
-            model_output is not None
-            and hidden_states.shape[0] > 0
-            and hidden_states.untyped_storage().data_ptr() == model_output.untyped_storage().data_ptr()
-        ):
-            first = (hidden_states.storage_offset() - model_output.storage_offset()) // model_output.stride(0)
-            return prompt_rows(query_start_loc, num_reqs, first, hidden_states.shape[0])
+        first = first_viewed_row(hidden_states, model_output)
+        if first is not None:
+            return prompt_rows(self._runner.query_start_loc.np[: num_reqs + 1], num_reqs, first, hidden_states.shape[0])
         rows = self.sampling_rows()
         if hidden_states.shape[0] != len(rows.slot):
             raise incompatible(

@@ -28,7 +28,7 @@ import torch
 
 from knnlm_core.errors import ConfigError
 from knnlm_serve.engine.batch_requests import BatchRequest
-from knnlm_serve.engine.rows import LogitsRows, prompt_rows, sampling_rows
+from knnlm_serve.engine.rows import LogitsRows, first_viewed_row, prompt_rows, sampling_rows
 from knnlm_serve.engine.vllm_adapter import incompatible
 
 BATCH_FIELDS = (
@@ -134,12 +134,8 @@ class StepView:
         batch = self._batch
         if batch is None or batch.num_reqs == 0:
             return None
-        if (
-            model_output is not None
-            and hidden_states.shape[0] > 0
-            and hidden_states.untyped_storage().data_ptr() == model_output.untyped_storage().data_ptr()
-        ):
-            first = (hidden_states.storage_offset() - model_output.storage_offset()) // model_output.stride(0)
+        first = first_viewed_row(hidden_states, model_output)
+        if first is not None:
             rows = prompt_rows(batch.query_start_loc_np, batch.num_reqs, first, hidden_states.shape[0])
             return dataclasses.replace(rows, kept=self._asked_for_prompt_logprobs()[rows.slot])
         rows = self.sampling_rows()
