@@ -101,6 +101,13 @@ def self_check(worker):
     return runner
 
 
+def checked(rows: LogitsRows, count: int, num_reqs: int) -> LogitsRows:
+    """A sampling call's rows, once its row count is the one the runner's batch implies."""
+    if count != len(rows.slot):
+        raise incompatible(f"a sampling call had {count} rows for {num_reqs} requests and {len(rows.slot) - num_reqs} drafts")
+    return rows
+
+
 def has_triton() -> bool:
     """Whether vLLM found a Triton backend for this device, which its choice of runner reads."""
     import vllm.config.vllm
@@ -132,12 +139,7 @@ class StepView:
         first = first_viewed_row(hidden_states, model_output)
         if first is not None:
             return prompt_rows(self._runner.query_start_loc.np[: num_reqs + 1], num_reqs, first, hidden_states.shape[0])
-        rows = self.sampling_rows()
-        if hidden_states.shape[0] != len(rows.slot):
-            raise incompatible(
-                f"a sampling call had {hidden_states.shape[0]} rows for {num_reqs} requests and {len(rows.slot) - num_reqs} drafts"
-            )
-        return rows
+        return checked(self.sampling_rows(), hidden_states.shape[0], num_reqs)
 
     def sampling_rows(self) -> LogitsRows | None:
         """The rows this step's sampling call will have, known before the forward pass ends; None

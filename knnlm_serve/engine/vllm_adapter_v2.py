@@ -29,7 +29,7 @@ import torch
 from knnlm_core.errors import ConfigError
 from knnlm_serve.engine.batch_requests import BatchRequest
 from knnlm_serve.engine.rows import LogitsRows, first_viewed_row, prompt_rows, sampling_rows
-from knnlm_serve.engine.vllm_adapter import incompatible
+from knnlm_serve.engine.vllm_adapter import checked, incompatible
 
 BATCH_FIELDS = (
     "req_ids",
@@ -138,12 +138,7 @@ class StepView:
         if first is not None:
             rows = prompt_rows(batch.query_start_loc_np, batch.num_reqs, first, hidden_states.shape[0])
             return dataclasses.replace(rows, kept=self._asked_for_prompt_logprobs()[rows.slot])
-        rows = self.sampling_rows()
-        if hidden_states.shape[0] != len(rows.slot):
-            raise incompatible(
-                f"a sampling call had {hidden_states.shape[0]} rows for {batch.num_reqs} requests and {batch.num_draft_tokens} drafts"
-            )
-        return rows
+        return checked(self.sampling_rows(), hidden_states.shape[0], batch.num_reqs)
 
     def sampling_rows(self) -> LogitsRows | None:
         """The rows this step's sampling call will have, known before the forward pass ends; None
