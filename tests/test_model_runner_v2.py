@@ -22,7 +22,7 @@ from datastore_edits import calibrated, rewritten, save
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
-from knnlm_serve.server.process import RunningServer, scrape_metrics
+from knnlm_serve.server.process import RunningServer, metric_total, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -83,17 +83,24 @@ def ids(tiny_model_dir):
 
 
 def answers(server, ids) -> dict:
-    """Every request the parity tests compare, as served."""
+    """Every request the parity tests compare, as served, after one request per datastore (a
+    version's first search also sets up its shard actors' channels, and may miss the step's
+    deadline); none of them may fall back to the LM."""
     prompt, document = ids["prompt"], ids["prompt"] + ids["a"]
+    for name in ("a", "b", "calibrated"):
+        greedy(server, prompt, 2, knn_datastore=name)
+    before = metric_total(scrape_metrics(server.base_url), "knnlm_fallbacks_total")
     with ThreadPoolExecutor(len(MIXED)) as pool:  # one batch, every row with its own settings
         mixed = list(pool.map(lambda xargs: greedy(server, prompt, CONTINUATION, **xargs), MIXED))
-    return {
+    served = {
         **{name: greedy(server, prompt, CONTINUATION, **xargs) for name, xargs in CASES.items()},
         "mixed": mixed,
         "prompt-logprobs": prompt_logprobs(server, document, knn_datastore="a", knn_lambda=0.5),
         "explain-generated": explain(server, prompt=PREFIX, max_tokens=4, vllm_xargs={"knn_explain": 2, "knn_datastore": "a"}),
         "explain-scored": explain(server, prompt=PREFIX, completion=TEXTS["a"][len(PREFIX) :], vllm_xargs={"knn_explain": 2}),
     }
+    assert metric_total(scrape_metrics(server.base_url), "knnlm_fallbacks_total") == before, "a kNN row was served LM-only"
+    return served
 
 
 def explain(server, **body) -> dict:
