@@ -298,8 +298,9 @@ def test_knn_model_runner_picks_vllms_runner_through_vllms_own_choice(monkeypatc
 
     def served_on(model_runner: str, drafts: bool = False) -> str:
         monkeypatch.delenv(RUNNER_VARIABLE, raising=False)
-        chosen, _ = choose_model_runner(model_runner, drafts)
-        for key, value in vllm_environment(model_runner=model_runner, drafts=drafts).items():
+        choice = choose_model_runner(model_runner, drafts)
+        chosen = choice.runner
+        for key, value in vllm_environment(runner=choice).items():
             monkeypatch.setenv(key, value)
         actual = "v2" if VllmConfig().use_v2_model_runner else "v1"
         assert actual == chosen, (model_runner, drafts, actual, chosen)
@@ -335,7 +336,7 @@ def test_a_runner_environment_variable_that_disagrees_with_knn_model_runner_is_r
     with pytest.raises(KnnlmError, match=f"{RUNNER_VARIABLE}=1 and knn.model_runner: v1 disagree"):
         choose_model_runner("v1", drafts=False)
     monkeypatch.setenv(RUNNER_VARIABLE, "0")
-    assert choose_model_runner("auto", drafts=False) == ("v1", f"knn.model_runner: auto, {RUNNER_VARIABLE}=0")  # honoured under auto
+    assert choose_model_runner("auto", drafts=False)[:2] == ("v1", f"knn.model_runner: auto, {RUNNER_VARIABLE}=0")  # honoured under auto
     monkeypatch.setenv(RUNNER_VARIABLE, "true")
     with pytest.raises(KnnlmError, match="accepts 0 or 1"):
         choose_model_runner("auto", drafts=False)

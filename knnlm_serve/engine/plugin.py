@@ -11,6 +11,7 @@ setup does not reach them).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from knnlm_core.errors import KnnlmError
 from knnlm_serve.logs import log_to_stderr
@@ -45,29 +46,35 @@ def register() -> None:
         ModelRegistry.register_model(architecture, f"knnlm_serve.engine.models:{architecture}")
 
 
-def vllm_environment(plugins: tuple[str, ...] = (PLUGIN_NAME,), model_runner: str = "auto", drafts: bool = False) -> dict[str, str]:
+def vllm_environment(plugins: tuple[str, ...] = (PLUGIN_NAME,), runner: RunnerChoice | None = None) -> dict[str, str]:
     """What vLLM's processes must inherit for kNN: our plugins allowlisted (beside any the user
     allowlisted, or every installed general plugin when the user set none), no compile cache
     (its key ignores our capture hooks, so a cached graph could silently drop them), and the
-    model runner `knn.model_runner` names (auto: vLLM's own choice)."""
+    model runner chosen (default: `knn.model_runner: auto` without drafts)."""
     from importlib.metadata import entry_points
 
+    runner = runner or choose_model_runner("auto", drafts=False)
     allowed = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     if not allowed:
         allowed = [e.name for e in entry_points(group="vllm.general_plugins")]
     environment = {"VLLM_PLUGINS": ",".join(dict.fromkeys([*plugins, *allowed])), "VLLM_DISABLE_COMPILE_CACHE": "1"}
-    runner, _ = choose_model_runner(model_runner, drafts)
-    if runner == "v1" or model_runner == "v2":  # auto's V2 stays vLLM's choice: it falls back to V1 for what V2 lacks
-        environment[RUNNER_VARIABLE] = "1" if runner == "v2" else "0"
+    if runner.runner == "v1" or runner.setting == "v2":  # auto's V2 stays vLLM's choice: it falls back to V1 for what V2 lacks
+        environment[RUNNER_VARIABLE] = "1" if runner.runner == "v2" else "0"
     return environment
 
 
 RUNNER_VARIABLE = "VLLM_USE_V2_MODEL_RUNNER"
 
 
-def choose_model_runner(model_runner: str, drafts: bool) -> tuple[str, str]:
-    """The runner vLLM will serve kNN on ("v1" or "v2") for `knn.model_runner`, and why; an
-    impossible choice is refused here, before anything starts."""
+class RunnerChoice(NamedTuple):
+    runner: str  # "v1" or "v2"
+    why: str  # for the log line
+    setting: str  # knn.model_runner
+
+
+def choose_model_runner(model_runner: str, drafts: bool) -> RunnerChoice:
+    """The runner vLLM will serve kNN on for `knn.model_runner`, and why; an impossible choice is
+    refused here, before anything starts."""
     from knnlm_serve.engine.vllm_adapter import has_triton
 
     own = os.environ.get(RUNNER_VARIABLE, "").strip()
@@ -78,19 +85,19 @@ def choose_model_runner(model_runner: str, drafts: bool) -> tuple[str, str]:
     wanted = model_runner if model_runner != "auto" else {"1": "v2", "0": "v1"}.get(own, "auto")
     why = f"knn.model_runner: {model_runner}" + (f", {RUNNER_VARIABLE}={own}" if own else "")
     if wanted == "v1":
-        return "v1", why
+        return RunnerChoice("v1", why, model_runner)
     if drafts:
         if wanted == "v2":
             raise KnnlmError(
                 f"{why} asks for vLLM's Model Runner V2, which loads no custom drafter, and knn.draft_tokens needs one: "
                 "set knn.model_runner: v1 (or auto), or knn.draft_tokens: 0"
             )
-        return "v1", f"{why}: datastore drafts (knn.draft_tokens) need V1's custom drafter"
+        return RunnerChoice("v1", f"{why}: datastore drafts (knn.draft_tokens) need V1's custom drafter", model_runner)
     if not has_triton():
         if wanted == "v2":
             raise KnnlmError(
                 f"{why} asks for vLLM's Model Runner V2, which needs Triton with a backend for this device, and vLLM found "
                 "none: set knn.model_runner: auto or v1"
             )
-        return "v1", f"{why}: Triton has no backend for this device, so V2 cannot run here"
-    return "v2", why if wanted == "v2" else f"{why}: Triton has a backend for this device"
+        return RunnerChoice("v1", f"{why}: Triton has no backend for this device, so V2 cannot run here", model_runner)
+    return RunnerChoice("v2", why if wanted == "v2" else f"{why}: Triton has a backend for this device", model_runner)

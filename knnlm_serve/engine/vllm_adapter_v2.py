@@ -21,6 +21,7 @@ penalties, its logits processors, temperature), as on V1: sample and prompt logp
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Collection, Sequence
 
 import numpy as np
@@ -30,6 +31,8 @@ from knnlm_core.errors import ConfigError
 from knnlm_serve.engine.batch_requests import BatchRequest
 from knnlm_serve.engine.rows import LogitsRows, first_viewed_row, prompt_rows, sampling_rows
 from knnlm_serve.engine.vllm_adapter import checked, incompatible
+
+logger = logging.getLogger("knnlm_serve")
 
 BATCH_FIELDS = (
     "req_ids",
@@ -115,9 +118,12 @@ class StepView:
                 self._end_step()
 
         def add(scheduler_output):
-            for new in scheduler_output.scheduled_new_reqs:
-                params = new.sampling_params
-                self._added[new.req_id] = (params.extra_args if params is not None else None, new.prompt_token_ids)
+            try:
+                for new in scheduler_output.scheduled_new_reqs:
+                    params = new.sampling_params
+                    self._added[new.req_id] = (params.extra_args if params is not None else None, new.prompt_token_ids)
+            except Exception:  # noqa: BLE001 - fail open: vLLM adds its requests; ours fail at their rows (KnnLogits' faults)
+                logger.exception("knnlm: reading the step's new requests failed")
             result = add_requests(scheduler_output)
             live = runner.req_states.req_id_to_index
             self._added = {i: added for i, added in self._added.items() if i in live}

@@ -63,11 +63,11 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
 
     graph_flags = cuda_graph_flags(config, cuda=torch.cuda.is_available())  # refused before Ray starts
     drafts = draft_flags(config)
-    runner, why = choose_model_runner(config.knn.model_runner, bool(drafts))
-    environment = vllm_environment(plugins=("knnlm", "knnlm_admin"), model_runner=config.knn.model_runner, drafts=bool(drafts))
+    runner = choose_model_runner(config.knn.model_runner, bool(drafts))
+    environment = vllm_environment(plugins=("knnlm", "knnlm_admin"), runner=runner)
     v2_only = [a for a in config.vllm_args if a.split("=", 1)[0] in V2_ONLY_FLAGS]
-    if v2_only and runner == "v1":
-        raise ConfigError(f"vllm_args {v2_only[0]} needs vLLM's Model Runner V2, and kNN serves on V1 here ({why}): remove it")
+    if v2_only and runner.runner == "v1":
+        raise ConfigError(f"vllm_args {v2_only[0]} needs vLLM's Model Runner V2, and kNN serves on V1 here ({runner.why}): remove it")
     architecture = architecture_of(model_dir)
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
@@ -93,7 +93,7 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
     publish_registry(registry)
     os.environ.update(environment)
-    logger.info("kNN serves on vLLM's model runner %s (%s)", runner.upper(), why)
+    logger.info("kNN serves on vLLM's model runner %s (%s)", runner.runner.upper(), runner.why)
     return ["--worker-extension-cls", EXTENSION, *graph_flags, *drafts]
 
 
