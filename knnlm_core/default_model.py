@@ -59,6 +59,16 @@ def prepare_default_model(force: bool = False) -> Path:
     final = default_model_dir()
     if _cache_is_valid(final) and not force:
         return final
+    from filelock import FileLock
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(final.with_name(f".{final.name}.lock")):  # one conversion at a time: a second caller waits for it
+        if _cache_is_valid(final) and not force:
+            return final
+        return _convert(final)
+
+
+def _convert(final: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -74,7 +84,6 @@ def prepare_default_model(force: bool = False) -> Path:
     model.config.architectures = ["LlamaForCausalLM"]
     model.config.name_or_path = DEFAULT_MODEL_NAME
 
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

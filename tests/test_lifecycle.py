@@ -242,11 +242,12 @@ def test_explanations_come_from_the_version_each_request_was_pinned_to(server, i
 
 
 def test_killed_shard_actor_never_fails_a_request_and_recovers(server, ids):
-    import ray
+    import os
+    import signal
 
     full_prompt = ids["prompt"] + ids["a"]
     baseline = prompt_logprobs(server, full_prompt, knn_lambda=0.5)
-    version = admin(server, "GET", "/datastores").json()["datastores"][0]["version"]
+    shard = next(s for s in admin(server, "GET", "/health").json()["shards"] if s["shard"] == "shard-001")
     before = scrape(server)
     errors, stop = [], threading.Event()
 
@@ -260,16 +261,14 @@ def test_killed_shard_actor_never_fails_a_request_and_recovers(server, ids):
     threads = [threading.Thread(target=client) for _ in range(4)]
     for t in threads:
         t.start()
-    ray.init(address="auto", namespace="knnlm", log_to_driver=False)
     try:
         time.sleep(1)
-        ray.kill(ray.get_actor(f"main@{version}/shard-001"), no_restart=False)
+        os.kill(shard["pid"], signal.SIGKILL)  # Ray restarts the actor
         time.sleep(3)
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=120)
-        ray.shutdown()
     assert errors == []
     fallbacks = total(scrape(server), "knnlm_fallbacks_total") - total(before, "knnlm_fallbacks_total")
     assert fallbacks > 0
@@ -374,3 +373,16 @@ def test_by_default_compiled_graphs_where_each_shard_actor_has_a_core_to_itself(
             assert grew == {"graph" if shards <= spare else "call"}, (name, spare, grew)
     finally:
         admin(server, "DELETE", "/datastores/solo")
+
+
+def test_a_stopped_server_exits_promptly_and_starts_no_second_ray_cluster(server):
+    """SIGTERM (what a supervisor sends) stops vLLM, the shard actors and the local Ray cluster.
+    Nothing calls Ray after it shut down (that would start a new local cluster on the way out),
+    and Ray does not wait for a dashboard this server does not run. Last in this module: it stops
+    the module's server."""
+    import os
+    import signal
+
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    server.proc.wait(timeout=15)
+    assert server.log_path.read_text().count("Started a local Ray instance") == 1

@@ -83,9 +83,13 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     if config.knn.backend == "ray":
         import ray
 
+        # At exit Ray's driver waits for its task events (the dashboard's task history) to reach the
+        # GCS, for up to 5 s by default; this server runs no dashboard, and a stopping server should stop.
+        os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "200")
         ray.init(address=config.knn.ray_address, namespace=config.knn.ray_namespace, include_dashboard=False, log_to_driver=False)
         ray_address = ray.get_runtime_context().gcs_address
     registry = DatastoreRegistry(config.knn, ServedModel.inspect(model_dir), ray_address)
+    atexit.register(registry.close)  # runs before ray.init's own exit handler (last in, first out)
     for name, path in config.knn.datastores.items():
         if path == DEFAULT_DATASTORE:
             path = prepare_default_datastore(model_dir)

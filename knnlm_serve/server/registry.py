@@ -63,7 +63,13 @@ class DatastoreRegistry:
         self._info_labels: set[tuple[str, ...]] = set()
         self._hashed: dict[tuple, str] = {}  # file (device, inode, size, mtime) -> sha256, for versions sharing files
         self._lock = threading.RLock()
+        self._closed = threading.Event()
         threading.Thread(target=self._reap_forever, daemon=True, name="knnlm-reaper").start()
+
+    def close(self) -> None:
+        """Stop the reaper. Called at exit before Ray shuts down: a Ray call after that would
+        start a new local Ray cluster in a server that is going away."""
+        self._closed.set()
 
     def connect(self, engine: EngineLink, model_cpus: dict[str, list[int]] | None = None) -> None:
         """From now on every change reaches the workers (they were attached with the current runtime).
@@ -251,7 +257,8 @@ class DatastoreRegistry:
         Every few seconds, also check the shards' health, which counts actor restarts, and while
         requests come, the versions the workers stopped using."""
         for tick in itertools.count():
-            time.sleep(0.5)
+            if self._closed.wait(0.5):
+                return
             try:
                 if tick % 10 == 0 and self.runtime.knn.backend == "ray":
                     self.health()
