@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class Served:
     ids: list[int]
     datastores: dict[str, Path]
     server: RunningServer
-    plain: dict
+    plain: Plain
 
 
 @dataclass
@@ -87,45 +88,103 @@ def built(smollm2_dir, tmp_path_factory) -> dict[str, Built]:
     return out
 
 
+class Plain:
+    """What plain vLLM (no plugin) answers for each architecture, all in one process
+    (tests/plain_vllm.py), run beside the servers' starts: `answers()` waits for it."""
+
+    def __init__(self, built: dict[str, Built], work: Path):
+        spec = [
+            {
+                "model": str(b.model),
+                "prompt": b.ids[: len(b.ids) - CONTINUATION],
+                "ids": b.ids,
+                "max_tokens": CONTINUATION,
+                "max_model_len": SERVER["max_model_len"],
+                "kv_cache_gib": SERVER["kv_cache_gib"],
+            }
+            for b in built.values()
+        ]
+        (work / "spec.json").write_text(json.dumps(spec))
+        self.out, self.architectures = work / "out.json", list(built)
+        self.log = open(work / "plain.log", "w")
+        script = Path(__file__).with_name("plain_vllm.py")
+        command = [sys.executable, str(script), str(work / "spec.json"), str(self.out)]
+        self.run = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self._answers: dict[str, dict] | None = None
+
+    def answers(self, architecture: str) -> dict:
+        if self._answers is None:
+            assert self.run.wait() == 0, Path(self.log.name).read_text()[-4000:]
+            self._answers = {
+                name: {
+                    "completion": {"tokens": a["tokens"], "logprobs": np.array(a["logprobs"])},
+                    "prompt_logprobs": np.array(a["prompt_logprobs"]),
+                }
+                for name, a in zip(self.architectures, json.loads(self.out.read_text()))
+            }
+        return self._answers[architecture]
+
+    def close(self) -> None:
+        self.run.kill()
+        self.run.wait()
+        self.log.close()
+
+
 @pytest.fixture(scope="module")
-def plain(built, tmp_path_factory) -> dict[str, dict]:
-    """What plain vLLM (no plugin) answers for each architecture, all in one process (tests/plain_vllm.py)."""
-    work = tmp_path_factory.mktemp("plain")
-    spec = [
-        {
-            "model": str(b.model),
-            "prompt": b.ids[: len(b.ids) - CONTINUATION],
-            "ids": b.ids,
-            "max_tokens": CONTINUATION,
-            "max_model_len": SERVER["max_model_len"],
-            "kv_cache_gib": SERVER["kv_cache_gib"],
-        }
-        for b in built.values()
-    ]
-    (work / "spec.json").write_text(json.dumps(spec))
-    run = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("plain_vllm.py")), str(work / "spec.json"), str(work / "out.json")],
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    answers = json.loads((work / "out.json").read_text())
-    return {
-        architecture: {
-            "completion": {"tokens": a["tokens"], "logprobs": np.array(a["logprobs"])},
-            "prompt_logprobs": np.array(a["prompt_logprobs"]),
-        }
-        for architecture, a in zip(built, answers)
-    }
+def plain(built, tmp_path_factory):
+    plain = Plain(built, tmp_path_factory.mktemp("plain"))
+    yield plain
+    plain.close()
+
+
+class StartedAhead:
+    """Each architecture's server, started while the one before it starts and is tested: a start
+    is mostly one process at a time importing vLLM, so two starts share the suite's two cores
+    where one would leave a core idle. A server stops once its architecture's tests are done."""
+
+    def __init__(self, built: dict[str, Built]):
+        self.built, self.order = built, list(built)
+        self.pool = ThreadPoolExecutor(2)
+        self.starting: dict[str, Future] = {}
+
+    def _start(self, architecture: str) -> None:
+        if architecture not in self.starting:
+            b = self.built[architecture]
+            knn = {"datastores": {k: str(v) for k, v in b.datastores.items()}, "backend": "local", "k": K, "max_k": K, **STRICT_KNN}
+            server = RunningServer({**SERVER, "model": str(b.model), "knn": knn}, b.work)
+            self.starting[architecture] = self.pool.submit(server.__enter__)
+
+    def server(self, architecture: str) -> RunningServer:
+        self._start(architecture)
+        after = self.order[self.order.index(architecture) + 1 :]
+        if after:
+            self._start(after[0])
+        return self.starting[architecture].result()
+
+    def stop(self, architecture: str) -> None:
+        started = self.starting.pop(architecture)
+        if started.exception() is None:  # a start that failed has stopped its process already
+            started.result().__exit__(None, None, None)
+
+    def close(self) -> None:
+        for architecture in list(self.starting):
+            self.stop(architecture)
+        self.pool.shutdown()
+
+
+@pytest.fixture(scope="module")
+def servers(built):
+    ahead = StartedAhead(built)
+    yield ahead
+    ahead.close()
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
-def served(request, built, plain):
+def served(request, built, plain, servers):
     architecture = request.param
     b = built[architecture]
-    knn = {"datastores": {k: str(v) for k, v in b.datastores.items()}, "backend": "local", "k": K, "max_k": K, **STRICT_KNN}
-    with RunningServer({**SERVER, "model": str(b.model), "knn": knn}, b.work) as server:
-        yield Served(architecture, b.model, b.ids, b.datastores, server, plain[architecture])
+    yield Served(architecture, b.model, b.ids, b.datastores, servers.server(architecture), plain)
+    servers.stop(architecture)
 
 
 @pytest.mark.parametrize("key_type", KEY_TYPES)
@@ -153,6 +212,7 @@ def test_the_builders_keys_are_the_served_keys(served, key_type):
 def test_knn_off_is_plain_vllm(served):
     n = len(served.ids) - CONTINUATION
     off = complete(served.server, served.ids[:n], knn=False)
-    assert off["tokens"] == served.plain["completion"]["tokens"], served.architecture
-    np.testing.assert_allclose(off["logprobs"], served.plain["completion"]["logprobs"], atol=1e-5)
-    np.testing.assert_allclose(prompt_logprobs(served.server, served.ids, knn=False), served.plain["prompt_logprobs"], atol=1e-5)
+    plain = served.plain.answers(served.architecture)
+    assert off["tokens"] == plain["completion"]["tokens"], served.architecture
+    np.testing.assert_allclose(off["logprobs"], plain["completion"]["logprobs"], atol=1e-5)
+    np.testing.assert_allclose(prompt_logprobs(served.server, served.ids, knn=False), plain["prompt_logprobs"], atol=1e-5)
