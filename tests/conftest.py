@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -45,6 +48,18 @@ def admin_knn(root: Path, token: str, **settings) -> dict:
         **STRICT_KNN,
         **settings,
     }
+
+
+@contextlib.contextmanager
+def starting(server: RunningServer) -> Iterator[Future]:
+    """`server` starting in the background, and stopped on exit: a start is mostly one process at
+    a time importing vLLM, so another server's start or tests can use the other core meanwhile.
+    The future's result is the running server, or the start's error."""
+    with ThreadPoolExecutor(1) as pool:
+        start = pool.submit(server.__enter__)
+        yield start
+    if start.exception() is None:  # a start that failed has stopped its process already
+        server.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")

@@ -9,16 +9,17 @@ process), token for token and logprob for logprob.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import STRICT_KNN, greedy, prompt_logprobs
+from conftest import STRICT_KNN, greedy, prompt_logprobs, starting
 from tiny_models import ARCHITECTURES, make_tiny_model
 
 from index_builder.build import build_datastore
@@ -138,38 +139,35 @@ def plain(built, tmp_path_factory):
 
 
 class StartedAhead:
-    """Each architecture's server, started while the one before it starts and is tested: a start
-    is mostly one process at a time importing vLLM, so two starts share the suite's two cores
-    where one would leave a core idle. A server stops once its architecture's tests are done."""
+    """Each architecture's server, started while the one before it starts and is tested (two starts
+    share the suite's two cores where one would leave a core idle), and stopped once its
+    architecture's tests are done."""
 
     def __init__(self, built: dict[str, Built]):
         self.built, self.order = built, list(built)
-        self.pool = ThreadPoolExecutor(2)
-        self.starting: dict[str, Future] = {}
+        self.started: dict[str, tuple[contextlib.ExitStack, Future]] = {}
 
     def _start(self, architecture: str) -> None:
-        if architecture not in self.starting:
+        if architecture not in self.started:
             b = self.built[architecture]
             knn = {"datastores": {k: str(v) for k, v in b.datastores.items()}, "backend": "local", "k": K, "max_k": K, **STRICT_KNN}
-            server = RunningServer({**SERVER, "model": str(b.model), "knn": knn}, b.work)
-            self.starting[architecture] = self.pool.submit(server.__enter__)
+            stack = contextlib.ExitStack()
+            start = stack.enter_context(starting(RunningServer({**SERVER, "model": str(b.model), "knn": knn}, b.work)))
+            self.started[architecture] = (stack, start)
 
     def server(self, architecture: str) -> RunningServer:
         self._start(architecture)
         after = self.order[self.order.index(architecture) + 1 :]
         if after:
             self._start(after[0])
-        return self.starting[architecture].result()
+        return self.started[architecture][1].result()
 
     def stop(self, architecture: str) -> None:
-        started = self.starting.pop(architecture)
-        if started.exception() is None:  # a start that failed has stopped its process already
-            started.result().__exit__(None, None, None)
+        self.started.pop(architecture)[0].close()
 
     def close(self) -> None:
-        for architecture in list(self.starting):
+        for architecture in list(self.started):
             self.stop(architecture)
-        self.pool.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from conftest import STRICT_KNN, TINY_SERVER, greedy, prompt_logprobs
+from conftest import STRICT_KNN, TINY_SERVER, greedy, prompt_logprobs, starting
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -34,13 +34,14 @@ def token_ids(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def knn_server(tiny_model_dir, tmp_path_factory):
+def knn_settings(tiny_model_dir, tmp_path_factory) -> dict:
+    """The reference server's kNN settings, over three datastores built here."""
     work = tmp_path_factory.mktemp("knn")
     config = BuildConfig(index="flat", context_length=128, stride=64)
     for name, text, shards in (("a", TEXT_A, 1), ("a3", TEXT_A, 3), ("b", TEXT_B, 1)):
         (work / f"{name}.txt").write_text(text)
         build_datastore([work / f"{name}.txt"], work / name, tiny_model_dir, config.model_copy(update={"shards": shards}), progress=False)
-    knn = {
+    return {
         "datastores": {n: str(work / n) for n in ("a", "a3", "b")},
         "default_datastore": "a",
         "k": K,
@@ -52,8 +53,38 @@ def knn_server(tiny_model_dir, tmp_path_factory):
         "compiled_graphs": False,  # plain actor calls: the reference for compiled graphs
         **STRICT_KNN,
     }
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
+
+
+@pytest.fixture(scope="module")
+def fast_start(knn_settings, tiny_model_dir, tmp_path_factory):
+    """The reference server's datastores and settings with each of its references turned on:
+    searches started mid-forward (knn.overlap, under vLLM's compiled graph), shards reached
+    through Ray Compiled Graphs, and vLLM's prompt-lookup (`ngram`) speculative decoding. One
+    server for the three comparisons (an engine start is the suite's largest cost), starting
+    beside the reference server's start and tests."""
+    drafts = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    knn = {**knn_settings, "overlap": True, "compiled_graphs": True}
+    config = {
+        **TINY_SERVER,
+        "enforce_eager": False,
+        "model": str(tiny_model_dir),
+        "knn": knn,
+        "vllm_args": ["--speculative-config", json.dumps(drafts)],
+    }
+    with starting(RunningServer(config, tmp_path_factory.mktemp("fast"))) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def knn_server(knn_settings, fast_start, tiny_model_dir):
+    work = Path(knn_settings["datastores"]["a"]).parent
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn_settings}, work) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def fast_server(fast_start):
+    return fast_start.result()
 
 
 def complete(server, prompt, max_tokens=16, **xargs):
@@ -270,25 +301,6 @@ def test_invalid_xargs_are_a_400_naming_the_field(knn_server, xargs, field):
         complete(knn_server, PREFIX, max_tokens=2, **xargs)
     assert field in e.value.message and str(next(iter(xargs.values()))) in e.value.message
     assert complete(knn_server, PREFIX, max_tokens=2).token_ids  # and the server keeps serving
-
-
-@pytest.fixture(scope="module")
-def fast_server(knn_server, tiny_model_dir, tmp_path_factory):
-    """The reference server's datastores and settings with each of its references turned on:
-    searches started mid-forward (knn.overlap, under vLLM's compiled graph), shards reached
-    through Ray Compiled Graphs, and vLLM's prompt-lookup (`ngram`) speculative decoding. One
-    server for the three comparisons: an engine start is the suite's largest cost."""
-    drafts = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    knn = {**knn_server.config["knn"], "overlap": True, "compiled_graphs": True}
-    config = {
-        **TINY_SERVER,
-        "enforce_eager": False,
-        "model": str(tiny_model_dir),
-        "knn": knn,
-        "vllm_args": ["--speculative-config", json.dumps(drafts)],
-    }
-    with RunningServer(config, tmp_path_factory.mktemp("fast")) as server:
-        yield server
 
 
 def test_overlap_serves_what_is_served_without_it(knn_server, fast_server, token_ids):

@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 import requests
-from conftest import TINY_SERVER, continuations, greedy, prompt_logprobs, stream_while, until
+from conftest import TINY_SERVER, continuations, greedy, prompt_logprobs, starting, stream_while, until
 from datastore_edits import calibrated, rewritten, save
 
 from index_builder.build import build_datastore
@@ -110,15 +110,10 @@ def explain(server, **body) -> dict:
 
 @pytest.fixture(scope="module")
 def v2_start(tiny_model_dir, root, tmp_path_factory):
-    """The V2 server's start, begun beside the V1 server's start and answers: a start is mostly one
-    process at a time importing vLLM, which leaves a core for the other server."""
+    """The V2 server's start, begun beside the V1 server's start and answers."""
     env = {"PYTHONPATH": str(TRITON_CPU), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    server = RunningServer(config(tiny_model_dir, root, "v2"), tmp_path_factory.mktemp("v2"), env=env)
-    with ThreadPoolExecutor(1) as pool:
-        start = pool.submit(server.__enter__)
+    with starting(RunningServer(config(tiny_model_dir, root, "v2"), tmp_path_factory.mktemp("v2"), env=env)) as start:
         yield start
-    if start.exception() is None:  # a start that failed has stopped its process already
-        server.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
