@@ -4,7 +4,8 @@
 `knnlm-index build` calibrates on the slice it held out of the corpus (knnlm_core.calibration
 .split_heldout); `knnlm-index calibrate` on the user's own text, or again on the build's slice
 (re-derived from the corpus the manifest names, e.g. after an upgrade that fits more), keeping the
-old calibration in the manifest's history. Either way the search is the one the server runs: the
+old calibration in the manifest's history, and fits the passage gate again on the same text
+(index_builder/passages.py). Either way the search is the one the server runs: the
 index as built, at an nprobe halved from the build's while the perplexity holds (the served
 nprobe). The shards are never touched; the manifest is replaced atomically.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index_builder.passages import refitted_gate
 from knnlm_core.calibration import (
     fit_calibration,
     fit_pointers,
@@ -173,6 +175,13 @@ def recalibrate(datastore: str | Path, texts: list[str | Path], model_dir: Path,
         tokens, offsets, heldout = build_heldout(root, manifest, model_dir, config)
     calibration = calibrate_on(root, manifest, model_dir, tokens, offsets, heldout, config, progress)
     history = [*manifest.calibration_history, *([manifest.calibration] if manifest.calibration else [])]
-    updated = manifest.model_copy(update={"calibration": calibration, "calibration_note": None, "calibration_history": history})
+    passages = manifest.passages
+    if passages is not None:
+        from transformers import AutoTokenizer
+
+        passages = refitted_gate(root, passages, AutoTokenizer.from_pretrained(model_dir).decode(tokens))
+    updated = manifest.model_copy(
+        update={"calibration": calibration, "calibration_note": None, "calibration_history": history, "passages": passages}
+    )
     write_manifest(root, updated)
     return updated

@@ -190,8 +190,8 @@ class PassageIndexEntry(_Record):
     tokens: int  # a passage's length in tokens (a document's last one up to MIN_TAIL_TOKENS more)
     passages: int
     gate: float | None  # relevance a best passage needs to go into a prompt; None: not calibrated (no held-out text)
-    gate_heldout_pass: float | None = None  # share of held-out queries (text the store does not hold) the gate lets through,
-    gate_stored_pass: float | None = None  # and of queries cut from stored documents
+    gate_heldout_pass: float | None = None  # share of chance queries (held-out words drawn at random) the gate lets through,
+    gate_stored_pass: float | None = None  # and of phrases of stored passages
 
 
 class Manifest(_Record):

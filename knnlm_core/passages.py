@@ -108,10 +108,19 @@ class PassageIndex:
         ).fetchall()
         return [Passage(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4], -float(r[5]) / len(words)) for r in rows]
 
+    def texts(self) -> list[str]:
+        """Every passage's text, in passage order."""
+        return [row[0] for row in self._db.execute("SELECT text FROM passages ORDER BY rowid")]
+
     def close(self) -> None:
         self._db.close()
 
 
+def words(text: str) -> list[str]:
+    """The words of `text`, lower-cased, in order."""
+    return [w.lower() for w in _WORD.findall(text)]
+
+
 def query_words(text: str) -> list[str]:
     """The distinct words of `text` a search looks for (at most MAX_QUERY_WORDS, in order)."""
-    return list(dict.fromkeys(w.lower() for w in _WORD.findall(text)))[:MAX_QUERY_WORDS]
+    return list(dict.fromkeys(words(text)))[:MAX_QUERY_WORDS]

@@ -306,6 +306,7 @@ def test_calibrate_without_text_refits_the_slice_the_build_held_out(datastores, 
     assert new.heldout == built.heldout and refit.calibration_history == [built]  # same slice, old fit kept
     assert (new.lambda_, new.k, new.temperature, new.mode) == (built.lambda_, built.k, built.temperature, built.mode)
     assert new.skip.threshold == pytest.approx(built.skip.threshold) and new.knn_ppl == pytest.approx(built.knn_ppl, rel=1e-4)
+    assert refit.passages.gate is not None and refit.passages == read_manifest(datastores / "cal").passages  # the gate too
     looser = recalibrate(datastores / "refit", [], tiny_model_dir, CONFIG.model_copy(update={"skip_tolerance": 0.05}), progress=False)
     assert looser.calibration.skip.tolerance == 0.05 and looser.calibration.skip.threshold <= built.skip.threshold  # skips more
 

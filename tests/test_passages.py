@@ -14,6 +14,7 @@ from index_builder.build import build_datastore
 from index_builder.compact import compact_datastore
 from index_builder.default_datastore import module_documents
 from index_builder.forget import forget_documents
+from index_builder.passages import GATE_CHANCE_PASS
 from knnlm_core.datastore import read_manifest, verify_checksums
 from knnlm_core.passages import PASSAGE_TOKENS, PassageIndex, passage_spans
 from knnlm_core.provenance import Provenance
@@ -53,7 +54,7 @@ def test_a_build_indexes_every_stored_document_into_passages_with_a_calibrated_g
     provenance = Provenance.open(root, manifest)
     lengths = np.diff(provenance.starts) + 1
     assert manifest.passages.passages == len(passage_spans(lengths)) > len(lengths)
-    assert manifest.passages.gate is not None and manifest.passages.gate_heldout_pass <= 0.05
+    assert manifest.passages.gate is not None and manifest.passages.gate_heldout_pass <= GATE_CHANCE_PASS
     (hit,) = search(root, "heap queue algorithm priority queue", 1)
     assert provenance.table.describe(hit.document)["source"] == "heapq.txt" and hit.relevance > manifest.passages.gate
 
