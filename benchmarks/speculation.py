@@ -12,13 +12,14 @@ continuation is stored text) and of its control documents (`off_store`), each co
 Three servers (configs/default.yaml's settings, serving both stores), and the modes on them:
   * base, no speculation: `plain` (kNN off: plain vLLM), `knn` (the store's calibrated
     defaults) and `knn-strong` (λ 0.9, which follows the stored text);
-  * drafts, `knn.draft_tokens`: `knn+drafts` and `knn-strong+drafts` (the same, with datastore drafts);
+  * drafts, `knn.draft_tokens`: `knn+drafts` and `knn-strong+drafts` (the same, with drafts from
+    the datastore, and from prompt lookup where it has none);
   * ngram, vLLM's prompt lookup: `ngram` (kNN off, vLLM's drafts; a baseline).
 At each concurrency (1 and 8) and prompt set, every repeat runs each mode once, in a shuffled
 order, and each ratio is taken within a repeat (against `plain`, and drafts against the same
 kNN without them and against `ngram`); the report gives each ratio's median over the repeats
-with its range, the datastore drafts' accepted tokens per draft, and the share of generated
-tokens that were accepted drafts. Writes benchmarks/results/speculation.json and .png.
+with its range, and per draft source (datastore, context) the accepted tokens per draft and the
+share of generated tokens that were accepted drafts. Writes benchmarks/results/speculation.json and .png.
 """
 
 from __future__ import annotations
@@ -101,12 +102,20 @@ def tokens_per_second(server, batch: list[list[int]], tokens: int, concurrency: 
     return generated / (time.perf_counter() - started)
 
 
-def drafted(server, store: str) -> tuple[float, float]:
-    """(drafts, accepted draft tokens) the server has counted for `store`."""
+SOURCES = ("datastore", "context")  # where a draft came from (engine/drafts.py)
+
+
+def drafted(server, store: str) -> np.ndarray:
+    """(drafts, accepted draft tokens) the server has counted for `store`, one row per source."""
     values = scrape_metrics(server.base_url)
-    return (
-        metric_total(values, rf'knnlm_drafts_total\{{datastore="{store}"'),
-        metric_total(values, rf'knnlm_draft_accepted_tokens_total\{{datastore="{store}"'),
+    return np.array(
+        [
+            [
+                metric_total(values, rf'knnlm_{name}_total\{{datastore="{store}",source="{source}"')
+                for name in ("drafts", "draft_accepted_tokens")
+            ]
+            for source in SOURCES
+        ]
     )
 
 
@@ -125,7 +134,7 @@ def measure(servers: dict, sets: dict, args) -> dict:
                 for server, xargs in MODES.values():  # warm-up: each mode once, unmeasured
                     tokens_per_second(servers[server], batch[:concurrency], 8, concurrency, {**xargs, "knn_datastore": store})
                 runs = {mode: [] for mode in MODES}
-                drafts = {mode: [0.0, 0.0] for mode in MODES if mode.endswith("+drafts")}
+                drafts = {mode: np.zeros((len(SOURCES), 2)) for mode in MODES if mode.endswith("+drafts")}
                 for repeat in range(args.repeats):
                     for mode in rng.sample(list(MODES), len(MODES)):
                         server, xargs = MODES[mode]
@@ -134,8 +143,7 @@ def measure(servers: dict, sets: dict, args) -> dict:
                             tokens_per_second(servers[server], batch, args.tokens, concurrency, {**xargs, "knn_datastore": store})
                         )
                         if before is not None:
-                            after = drafted(servers[server], store)
-                            drafts[mode] = [drafts[mode][0] + after[0] - before[0], drafts[mode][1] + after[1] - before[1]]
+                            drafts[mode] += drafted(servers[server], store) - before
                         print(
                             f"{store} {set_name} c{concurrency} repeat {repeat + 1}/{args.repeats} {mode}: {runs[mode][-1]:.1f} tok/s",
                             flush=True,
@@ -150,8 +158,14 @@ def measure(servers: dict, sets: dict, args) -> dict:
                         mode: summary([d / k for d, k in zip(runs[mode], runs[mode.removesuffix("+drafts")])]) for mode in drafts
                     },
                     "drafts_over_ngram": {mode: summary([d / n for d, n in zip(runs[mode], runs["ngram"])]) for mode in drafts},
-                    "accepted_tokens_per_draft": {mode: round(a / d, 3) if d else None for mode, (d, a) in drafts.items()},
-                    "drafted_share": {mode: round(a / generated, 3) for mode, (_, a) in drafts.items()},
+                    "accepted_tokens_per_draft": {
+                        mode: {source: round(a / d, 3) if d else None for source, (d, a) in zip(SOURCES, counts)}
+                        for mode, counts in drafts.items()
+                    },
+                    "drafted_share": {
+                        mode: {source: round(a / generated, 3) for source, (_, a) in zip(SOURCES, counts)}
+                        for mode, counts in drafts.items()
+                    },
                     "requests": len(batch),
                 }
     return results

@@ -72,12 +72,17 @@ FALLBACKS = Counter(
     "unhealthy: the datastore version was stopped after repeated errors)",
     ["datastore", "reason"],
 )
-DRAFTS = Counter("knnlm_drafts", "drafts proposed from the datastore (speculative decoding, knn.draft_tokens)", ["datastore"])
-DRAFT_TOKENS = Counter("knnlm_draft_tokens", "tokens proposed in datastore drafts", ["datastore"])
+DRAFTS = Counter(
+    "knnlm_drafts",
+    "drafts proposed (speculative decoding, knn.draft_tokens), by request datastore ('none' = kNN off) and source "
+    "(datastore: its stored continuation; context: prompt lookup in the request's own text)",
+    ["datastore", "source"],
+)
+DRAFT_TOKENS = Counter("knnlm_draft_tokens", "tokens proposed in drafts", ["datastore", "source"])
 DRAFT_ACCEPTED_TOKENS = Counter(
     "knnlm_draft_accepted_tokens",
-    "datastore draft tokens the engine accepted; per draft: knnlm_draft_accepted_tokens_total / knnlm_drafts_total",
-    ["datastore"],
+    "draft tokens the engine accepted; per draft: knnlm_draft_accepted_tokens_total / knnlm_drafts_total",
+    ["datastore", "source"],
 )
 DRAFT_FAILURES = Counter("knnlm_draft_failures", "steps that proposed no drafts because drafting failed (served without drafts)")
 CONTEXT_FAILURES = Counter(

@@ -139,7 +139,7 @@ def test_a_drafter_fault_serves_the_step_without_drafts(server, root, ids):
     assert admin(server, "POST", "/datastores", name="grown", path="grown").status_code == 200
     with open(root / "grown" / "shard-000" / "values.npy", "ab") as f:
         f.write(b"\0" * 4)
-    drafts = lambda values, name: values.get(f'knnlm_drafts_total{{datastore="{name}"}}', 0)  # noqa: E731
+    drafts = lambda values, name: values.get(f'knnlm_drafts_total{{datastore="{name}",source="datastore"}}', 0)  # noqa: E731
     before = scrape_metrics(server.base_url)
     assert greedy(server, ids["prompt"], CONTINUATION, knn_datastore="grown").token_ids == ids["a"]
     failed = scrape_metrics(server.base_url)

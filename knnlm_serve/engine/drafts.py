@@ -8,11 +8,14 @@ stored ones, also through steps whose rows were not searched (the skip rule), an
 tokens ahead of it are the draft (knnlm_core.pointers.chain_*). The draft grows with the tokens
 the request has followed its chain for: one token for a new chain (where a nearest neighbour
 predicted a common token by chance, the rejected draft costs one verification row), then up to
-`num_speculative_tokens`. Off the stored text there is no chain and no draft: a lookup per
-request and step. vLLM's V1 runner loads this class as a
-`custom_class` proposer and calls `propose` after each step; the next step verifies the drafts
-against the logits KnnLogits mixes row by row, so the output is the kNN-LM's own and drafts
-change only the speed. An error means no drafts for that step, counted.
+`num_speculative_tokens`. Where a request has no chain, its own text may still repeat: vLLM's
+prompt lookup (its `ngram` drafter, n-grams of CONTEXT_NGRAM tokens) drafts what followed the
+last place its newest tokens occurred in its prompt and output, for kNN-off requests too.
+Neither finds anything off the stored text in text that does not repeat itself, and then there
+is no draft. vLLM's V1 runner loads this class as a `custom_class` proposer and calls `propose`
+after each step; the next step verifies the drafts against the logits KnnLogits mixes row by
+row, so the output is the kNN-LM's own and drafts change only the speed. An error means no
+drafts for that step, counted.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ import numpy as np
 from knnlm_core.pointers import chain_advance, chain_draft, chain_start
 from knnlm_serve import metrics
 from knnlm_serve.engine.batch_requests import BatchRequest
+from knnlm_serve.engine.vllm_adapter import prompt_lookup
 
 DRAFTER = "knnlm_serve.engine.drafts.DatastoreDrafter"
+CONTEXT_NGRAM = (2, 4)  # prompt lookup's n-gram lengths, as vLLM's docs suggest for `ngram`
 
 
 @dataclass
@@ -36,12 +41,21 @@ class Chain:
     followed: int  # the tokens the request has produced along the chain since it started
 
 
+@dataclass
+class Proposed:
+    datastore: str  # the request's datastore ('none': kNN off), for the metrics
+    source: str  # datastore | context
+    outputs: int  # the request's output tokens when it was drafted
+    draft: list[int]
+
+
 class DatastoreDrafter:
     def __init__(self, vllm_config):
         self.length = vllm_config.speculative_config.num_speculative_tokens
+        self._context = prompt_lookup(vllm_config, *CONTEXT_NGRAM)
         self._model = None
         self._chains: dict[str, Chain] = {}  # request id -> its chain
-        self._proposed: dict[str, tuple[str, int, list[int]]] = {}  # request id -> (datastore, its outputs then, draft)
+        self._proposed: dict[str, Proposed] = {}  # request id -> its last draft
 
     def load_model(self, model) -> None:
         """vLLM hands over the served model: its `knn_logits` exists once the worker is attached."""
@@ -54,35 +68,44 @@ class DatastoreDrafter:
         if knn is None:
             return [[] for _ in range(slots)]
         try:
-            return self._drafts(knn, slots)
+            return self._drafts(knn, sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
         except Exception as e:  # noqa: BLE001 - fail open: the step goes on without drafts
             self._proposed, self._chains = {}, {}
             metrics.DRAFT_FAILURES.inc()
             knn.faults.failed("propose", e, rows=0)
             return [[] for _ in range(slots)]
 
-    def _drafts(self, knn, slots: int) -> list[list[int]]:
+    def _drafts(self, knn, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        """The datastore's draft where a request reads stored text, else prompt lookup's."""
         proposed, self._proposed = self._proposed, {}
         chains, self._chains = self._chains, {}
-        drafts = []
-        for slot in range(slots):
-            request_id = knn.step.request_id(slot)
-            request = knn.batch.get(request_id)
+        slots = len(sampled_token_ids)
+        ids = [knn.step.request_id(slot) for slot in range(slots)]
+        requests = [knn.batch.get(request_id) for request_id in ids]
+        drafts, sources = [[] for _ in range(slots)], ["datastore"] * slots
+        for slot, (request_id, request) in enumerate(zip(ids, requests)):
             if request is not None and request_id in proposed:
-                _count_accepted(request, *proposed[request_id])
-            draft = self._draft(knn, request_id, request, chains.get(request_id)) if request is not None else []
+                _count_accepted(request, proposed[request_id])
+            if request is not None and request.params.drafts and request.pinned is not None:
+                drafts[slot] = self._draft(knn, request_id, request, chains.get(request_id))
+        lookup = [s for s, r in enumerate(requests) if r is not None and r.params.drafts and not drafts[s] and sampled_token_ids[s]]
+        if lookup:
+            from_context = self._context.batch_propose(slots, lookup, num_tokens_no_spec, token_ids_cpu, self.length)
+            for slot in lookup:
+                drafts[slot], sources[slot] = from_context[slot], "context"
+        for request_id, request, draft, source in zip(ids, requests, drafts, sources):
             if draft:
-                self._proposed[request_id] = (request.pinned.name, len(request.output_tokens), draft)
-                metrics.DRAFTS.labels(request.pinned.name).inc()
-                metrics.DRAFT_TOKENS.labels(request.pinned.name).inc(len(draft))
-            drafts.append(draft)
+                datastore = request.pinned.name if request.pinned is not None else "none"
+                self._proposed[request_id] = Proposed(datastore, source, len(request.output_tokens), draft)
+                metrics.DRAFTS.labels(datastore, source).inc()
+                metrics.DRAFT_TOKENS.labels(datastore, source).inc(len(draft))
         return drafts
 
     def _draft(self, knn, request_id: str, request: BatchRequest, chain: Chain | None) -> list[int]:
         """The stored text ahead of the request's chain: the one it had, moved along its new
         tokens, or else one started from its newest row's neighbours."""
         info = request.pinned
-        if info is None or not request.params.drafts or info.key in knn.faults.unhealthy:
+        if info.key in knn.faults.unhealthy:
             return []
         starts = knn.mixer.document_starts(info)
         if starts is None:
@@ -100,9 +123,10 @@ class DatastoreDrafter:
         return chain_draft(entries, min(self.length, followed + 1), starts, values_at)
 
 
-def _count_accepted(request: BatchRequest, datastore: str, outputs: int, draft: list[int]) -> None:
+def _count_accepted(request: BatchRequest, proposed: Proposed) -> None:
     """The draft tokens the engine accepted: those the request's output now repeats, from the first
     (after a rejected draft token it samples a different one)."""
-    produced = request.output_tokens[outputs : outputs + len(draft)]
+    draft = proposed.draft
+    produced = request.output_tokens[proposed.outputs : proposed.outputs + len(draft)]
     accepted = next((i for i, (a, b) in enumerate(zip(draft, produced)) if a != b), min(len(draft), len(produced)))
-    metrics.DRAFT_ACCEPTED_TOKENS.labels(datastore).inc(accepted)
+    metrics.DRAFT_ACCEPTED_TOKENS.labels(proposed.datastore, proposed.source).inc(accepted)

@@ -14,6 +14,8 @@ worker RPC (`--worker-extension-cls`, `collective_rpc`). What they do not carry 
   * `worker.model_runner.get_model()`: our model; `worker.use_v2_model_runner`: which runner.
 Plus the original model class of an architecture (`_TEXT_GENERATION_MODELS`), to wrap it, and
 one thing written: our mid-forward op added to the compilation's `splitting_ops` (`eager_at_replay`).
+The datastore drafter's fallback is vLLM's prompt-lookup proposer (`prompt_lookup`), built from
+the settings its constructor reads.
 `self_check` verifies each of these when a worker is attached, and fails with one line naming
 the vLLM version instead of serving wrong logits after a vLLM upgrade.
 """
@@ -113,6 +115,26 @@ def has_triton() -> bool:
     import vllm.config.vllm
 
     return bool(vllm.config.vllm.HAS_TRITON)
+
+
+def prompt_lookup(vllm_config, min_n: int, max_n: int):
+    """vLLM's prompt-lookup drafter (its `ngram` method) for the served model and draft length,
+    matching n-grams of min_n..max_n tokens; its constructor reads only these settings, so it is
+    built from a view of them (the served speculative config names our drafter, not n-grams)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    settings = SimpleNamespace(
+        prompt_lookup_min=min_n, prompt_lookup_max=max_n, num_speculative_tokens=vllm_config.speculative_config.num_speculative_tokens
+    )
+    view = SimpleNamespace(
+        speculative_config=settings,
+        model_config=vllm_config.model_config,
+        scheduler_config=vllm_config.scheduler_config,
+        parallel_config=vllm_config.parallel_config,
+    )
+    return NgramProposer(view)
 
 
 def served_model(worker) -> torch.nn.Module:
