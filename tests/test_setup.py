@@ -47,3 +47,18 @@ def test_serving_a_non_causal_lm_fails_clearly(tmp_path):
     result = subprocess.run([sys.executable, "-m", "knnlm_serve.server.launcher", "--model", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode != 0
     assert "not a causal language model" in result.stderr
+
+
+def test_a_port_in_use_is_refused_naming_it_before_ray_starts():
+    """The launcher holds its port while Ray starts (whose services take free ports at random);
+    one it cannot bind is a clear error, not a server that another process answers for."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "knnlm_serve.server.launcher", "--config", "configs/default.yaml", "--port", str(port)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert f"port: 127.0.0.1:{port} cannot be bound" in result.stderr and "Started a local Ray instance" not in result.stderr

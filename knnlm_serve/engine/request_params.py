@@ -10,8 +10,9 @@
     knn_pointers     0..max_k     follow pointers: a decode step uses the successors of the last
                                   step's neighbours that predicted its token, without a search,
                                   when at least this many survive; 0 = always search
-    knn_drafts       true/false   with knn.draft_tokens: let the datastore draft this request's
-                                  next tokens for speculative decoding (engine/drafts.py)
+    knn_drafts       true/false   with knn.draft_tokens: let the datastore (or prompt lookup)
+                                  draft this request's next tokens for speculative decoding
+                                  (engine/drafts.py)
     knn_explain      {id, top}    set by POST /v1/knn/explain, which returns the explanation:
                                   record this request's evidence (server/explain.py)
 

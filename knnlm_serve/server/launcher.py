@@ -13,8 +13,11 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from knnlm_core.config import ServeConfig, load_serve_config
@@ -135,6 +138,23 @@ def cuda_graph_flags(config: ServeConfig, cuda: bool) -> list[str]:
     return ["--compilation-config", json.dumps(PIECEWISE_CUDA_GRAPHS)]
 
 
+@contextmanager
+def port_held(host: str, port: int) -> Iterator[None]:
+    """Hold the server's port while Ray starts and the datastores load. Ray's services and actors
+    take free ports as they start, and the kernel may hand out ours, which then answers our
+    clients until vLLM fails to bind it (vLLM binds before its own engine starts for the same
+    reason: vllm-project/vllm#8204)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            held.bind((host, port))
+        except OSError as e:
+            raise ConfigError(
+                f"port: {host}:{port} cannot be bound ({e.strerror}); choose another port (port in the config, or --port)"
+            ) from e
+        yield
+
+
 def run_vllm_server(argv: list[str]) -> None:
     """Run vLLM's own OpenAI server in this process, as `vllm serve` would."""
     import uvloop
@@ -197,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = model_dir_for(config.model)
         argv = vllm_server_argv(config, str(model_dir))
         if config.knn.datastores:
-            argv += start_knn(config, model_dir)
+            with port_held(config.host, config.port):
+                argv += start_knn(config, model_dir)
         else:
             logger.warning(
                 "no knn.datastores configured%s: serving the plain LM, without kNN or the admin API; "
