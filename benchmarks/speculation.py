@@ -18,8 +18,9 @@ Three servers (configs/default.yaml's settings, serving both stores), and the mo
 At each concurrency (1 and 8) and prompt set, every repeat runs each mode once, in a shuffled
 order, and each ratio is taken within a repeat (against `plain`, and drafts against the same
 kNN without them and against `ngram`); the report gives each ratio's median over the repeats
-with its range, and per draft source (datastore, context) the accepted tokens per draft and the
-share of generated tokens that were accepted drafts. Writes benchmarks/results/speculation.json and .png.
+with its range, and per draft source (datastore, context): accepted tokens per draft, the share
+of draft tokens accepted, and the share of generated tokens that were accepted drafts. Writes
+benchmarks/results/speculation.json and .png.
 """
 
 from __future__ import annotations
@@ -106,13 +107,13 @@ SOURCES = ("datastore", "context")  # where a draft came from (engine/drafts.py)
 
 
 def drafted(server, store: str) -> np.ndarray:
-    """(drafts, accepted draft tokens) the server has counted for `store`, one row per source."""
+    """(drafts, draft tokens, accepted draft tokens) the server has counted for `store`, one row per source."""
     values = scrape_metrics(server.base_url)
     return np.array(
         [
             [
                 metric_total(values, rf'knnlm_{name}_total\{{datastore="{store}",source="{source}"')
-                for name in ("drafts", "draft_accepted_tokens")
+                for name in ("drafts", "draft_tokens", "draft_accepted_tokens")
             ]
             for source in SOURCES
         ]
@@ -134,7 +135,7 @@ def measure(servers: dict, sets: dict, args) -> dict:
                 for server, xargs in MODES.values():  # warm-up: each mode once, unmeasured
                     tokens_per_second(servers[server], batch[:concurrency], 8, concurrency, {**xargs, "knn_datastore": store})
                 runs = {mode: [] for mode in MODES}
-                drafts = {mode: np.zeros((len(SOURCES), 2)) for mode in MODES if mode.endswith("+drafts")}
+                drafts = {mode: np.zeros((len(SOURCES), 3)) for mode in MODES if mode.endswith("+drafts")}
                 for repeat in range(args.repeats):
                     for mode in rng.sample(list(MODES), len(MODES)):
                         server, xargs = MODES[mode]
@@ -159,11 +160,15 @@ def measure(servers: dict, sets: dict, args) -> dict:
                     },
                     "drafts_over_ngram": {mode: summary([d / n for d, n in zip(runs[mode], runs["ngram"])]) for mode in drafts},
                     "accepted_tokens_per_draft": {
-                        mode: {source: round(a / d, 3) if d else None for source, (d, a) in zip(SOURCES, counts)}
+                        mode: {source: round(a / d, 3) if d else None for source, (d, _, a) in zip(SOURCES, counts)}
+                        for mode, counts in drafts.items()
+                    },
+                    "accepted_share_of_draft_tokens": {
+                        mode: {source: round(a / t, 3) if t else None for source, (_, t, a) in zip(SOURCES, counts)}
                         for mode, counts in drafts.items()
                     },
                     "drafted_share": {
-                        mode: {source: round(a / generated, 3) for source, (_, a) in zip(SOURCES, counts)}
+                        mode: {source: round(a / generated, 3) for source, (*_, a) in zip(SOURCES, counts)}
                         for mode, counts in drafts.items()
                     },
                     "requests": len(batch),

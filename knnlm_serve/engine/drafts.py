@@ -8,11 +8,12 @@ stored ones, also through steps whose rows were not searched (the skip rule), an
 tokens ahead of it are the draft (knnlm_core.pointers.chain_*). The draft grows with the tokens
 the request has followed its chain for: one token for a new chain (where a nearest neighbour
 predicted a common token by chance, the rejected draft costs one verification row), then up to
-`num_speculative_tokens`. Where a request has no chain, its own text may still repeat: vLLM's
-prompt lookup (its `ngram` drafter, n-grams of CONTEXT_NGRAM tokens) drafts what followed the
-last place its newest tokens occurred in its prompt and output, for kNN-off requests too.
-Neither finds anything off the stored text in text that does not repeat itself, and then there
-is no draft. vLLM's V1 runner loads this class as a `custom_class` proposer and calls `propose`
+`num_speculative_tokens`. A request's own text may repeat too: vLLM's prompt lookup (its
+`ngram` drafter, n-grams of CONTEXT_NGRAM tokens) drafts what followed the last place its newest
+tokens occurred in its prompt and output, for kNN-off requests too. The longer of the two drafts
+is proposed (a new chain's single token loses to a repeated n-gram's continuation; a tie goes to
+the datastore). Off the stored text, in text that does not repeat itself, neither finds anything
+and there is no draft. vLLM's V1 runner loads this class as a `custom_class` proposer and calls `propose`
 after each step; the next step verifies the drafts against the logits KnnLogits mixes row by
 row, so the output is the kNN-LM's own and drafts change only the speed. An error means no
 drafts for that step, counted.
@@ -76,7 +77,8 @@ class DatastoreDrafter:
             return [[] for _ in range(slots)]
 
     def _drafts(self, knn, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
-        """The datastore's draft where a request reads stored text, else prompt lookup's."""
+        """Each request's longer draft of two: the datastore's, where it reads stored text, and
+        prompt lookup's, where its newest tokens repeat earlier ones (a tie goes to the datastore)."""
         proposed, self._proposed = self._proposed, {}
         chains, self._chains = self._chains, {}
         slots = len(sampled_token_ids)
@@ -88,11 +90,14 @@ class DatastoreDrafter:
                 _count_accepted(request, proposed[request_id])
             if request is not None and request.params.drafts and request.pinned is not None:
                 drafts[slot] = self._draft(knn, request_id, request, chains.get(request_id))
-        lookup = [s for s, r in enumerate(requests) if r is not None and r.params.drafts and not drafts[s] and sampled_token_ids[s]]
+        lookup = [
+            s for s, r in enumerate(requests) if r is not None and r.params.drafts and len(drafts[s]) < self.length and sampled_token_ids[s]
+        ]
         if lookup:
             from_context = self._context.batch_propose(slots, lookup, num_tokens_no_spec, token_ids_cpu, self.length)
             for slot in lookup:
-                drafts[slot], sources[slot] = from_context[slot], "context"
+                if len(from_context[slot]) > len(drafts[slot]):
+                    drafts[slot], sources[slot] = from_context[slot], "context"
         for request_id, request, draft, source in zip(ids, requests, drafts, sources):
             if draft:
                 datastore = request.pinned.name if request.pinned is not None else "none"
