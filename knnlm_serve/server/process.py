@@ -8,6 +8,7 @@ cluster). `scrape_metrics` reads `/metrics` into {series: value}.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -53,10 +54,12 @@ class RunningServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2)
-                return self
-            except OSError:
-                time.sleep(1)
+                with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2) as response:
+                    if "data" in json.load(response):  # vLLM's model list, not another process on the port
+                        return self
+            except (OSError, ValueError):
+                pass
+            time.sleep(1)
         self.__exit__(None, None, None)
         raise TimeoutError(f"server did not start in {self.startup_timeout}s:\n{self.log_tail()}")
 
