@@ -167,8 +167,8 @@ class KnnConfig(_Strict):
         ge=0,
         le=16,
         description="speculative decoding with datastore drafts: after each step, a request whose nearest neighbour "
-        "predicted its newest token is given up to this many of the stored tokens that follow, and one without such "
-        "a neighbour what followed its newest tokens earlier in its own text (prompt lookup), which vLLM verifies "
+        "predicted its newest token is given up to this many of the stored tokens that follow, or, where longer, what "
+        "followed its newest tokens earlier in its own text (prompt lookup), which vLLM verifies "
         "against the kNN-LM in the next step (the same output, faster where the text is stored); 0 = off. Sets "
         "vLLM's speculative config, so vllm_args may not set one too",
     )

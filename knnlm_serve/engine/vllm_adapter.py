@@ -14,8 +14,8 @@ worker RPC (`--worker-extension-cls`, `collective_rpc`). What they do not carry 
   * `worker.model_runner.get_model()`: our model; `worker.use_v2_model_runner`: which runner.
 Plus the original model class of an architecture (`_TEXT_GENERATION_MODELS`), to wrap it, and
 one thing written: our mid-forward op added to the compilation's `splitting_ops` (`eager_at_replay`).
-The datastore drafter's fallback is vLLM's prompt-lookup proposer (`prompt_lookup`), built from
-the settings its constructor reads.
+The datastore drafter's second source is vLLM's prompt-lookup proposer (`prompt_lookup`), built
+from the settings its constructor reads.
 `self_check` verifies each of these when a worker is attached, and fails with one line naming
 the vLLM version instead of serving wrong logits after a vLLM upgrade.
 """
