@@ -94,7 +94,8 @@ def tasks_main(argv: list[str]) -> None:
     parser.add_argument("-o", "--output", type=Path, default=Path("knnlm-eval-tasks"), help="directory for tasks.json/.md and the plot")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="knnlm-eval: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    for name in ("httpx", "httpx2"):  # the openai client's HTTP library (by version) logs a line per request
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         items = read_items(args.items)
         client, model, tokenizer = _connect(args)
