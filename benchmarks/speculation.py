@@ -13,7 +13,8 @@ Three servers (configs/default.yaml's settings, serving both stores), and the mo
   * base, no speculation: `plain` (kNN off: plain vLLM), `knn` (the store's calibrated
     defaults) and `knn-strong` (λ 0.9, which follows the stored text);
   * drafts, `knn.draft_tokens`: `knn+drafts` and `knn-strong+drafts` (the same, with drafts from
-    the datastore, and from prompt lookup where it has none);
+    the datastore, and from prompt lookup where it has none), and `plain+drafts` (kNN off: prompt
+    lookup's drafts only, through our drafter; what kNN costs beside drafts);
   * ngram, vLLM's prompt lookup: `ngram` (kNN off, vLLM's drafts; a baseline).
 At each concurrency (1 and 8) and prompt set, every repeat runs each mode once, in a shuffled
 order, and each ratio is taken within a repeat (against `plain`, and drafts against the same
@@ -58,6 +59,7 @@ MODES = {  # mode -> (server, vllm_xargs beyond the datastore's name)
     "knn+drafts": ("drafts", {}),
     "knn-strong": ("base", STRONG),
     "knn-strong+drafts": ("drafts", STRONG),
+    "plain+drafts": ("drafts", {"knn": False}),
     "ngram": ("ngram", {"knn": False}),
 }
 
@@ -139,12 +141,13 @@ def measure(servers: dict, sets: dict, args) -> dict:
                 for repeat in range(args.repeats):
                     for mode in rng.sample(list(MODES), len(MODES)):
                         server, xargs = MODES[mode]
-                        before = drafted(servers[server], store) if mode in drafts else None
+                        label = "none" if xargs.get("knn") is False else store  # the drafts' datastore label (kNN off: none)
+                        before = drafted(servers[server], label) if mode in drafts else None
                         runs[mode].append(
                             tokens_per_second(servers[server], batch, args.tokens, concurrency, {**xargs, "knn_datastore": store})
                         )
                         if before is not None:
-                            drafts[mode] += drafted(servers[server], store) - before
+                            drafts[mode] += drafted(servers[server], label) - before
                         print(
                             f"{store} {set_name} c{concurrency} repeat {repeat + 1}/{args.repeats} {mode}: {runs[mode][-1]:.1f} tok/s",
                             flush=True,
