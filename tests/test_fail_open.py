@@ -165,6 +165,29 @@ def test_each_bad_datastore_file_is_refused_at_load_naming_the_file_and_field(se
     assert greedy(server, ids["prompt"], CONTINUATION, knn_datastore="a").token_ids == ids["a"]
 
 
+def started(tiny_model_dir, datastore, work) -> str:
+    """The log of a server started with `datastore` configured, which must fail to start."""
+    knn = {"datastores": {"a": str(datastore)}, "fail_open": False}
+    server = RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work, startup_timeout=300)
+    with pytest.raises(RuntimeError, match="server exited"):
+        server.__enter__()
+    return server.log_path.read_text()
+
+
+def test_a_configured_datastore_with_a_bad_manifest_is_refused_before_ray_and_vllm_start(tiny_model_dir, root, tmp_path):
+    log = started(tiny_model_dir, root / "calibration-range", tmp_path)
+    assert "knnlm-serve: error:" in log and "calibration.lambda" in log
+    assert "Started a local Ray instance" not in log and "Initializing a V1 LLM engine" not in log
+
+
+def test_a_configured_datastore_with_a_bad_file_stops_the_start_naming_it(tiny_model_dir, root, tmp_path):
+    """Checksums, provenance and shard actors are checked while vLLM starts its engine, and the
+    server answers only once they pass."""
+    log = started(tiny_model_dir, root / "provenance-json", tmp_path)
+    assert "knnlm-serve: error:" in log and "provenance.json" in log
+    assert "Starting vLLM server" not in log
+
+
 def test_a_calibration_beyond_this_servers_limits_is_held_to_them(server, ids):
     response = admin(server, "POST", "/datastores", name="wide", path="beyond-limits")
     assert response.status_code == 200, response.text

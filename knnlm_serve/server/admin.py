@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict
 
 from knnlm_core.config import KeyType
 from knnlm_core.errors import DatastoreError, ErrorKind, KnnlmError
-from knnlm_serve.app_state import published_registry
+from knnlm_serve.app_state import published_registry, registry_loaded
 from knnlm_serve.engine.worker_extension import ATTACH, SET_RUNTIME, WORKER_STATE
 from knnlm_serve.runtime import Runtime
 from knnlm_serve.server.admin_access import admin_registry, check_name, parse_body, resolve_in_root
@@ -152,6 +152,10 @@ class KnnAdminPlugin:
         registry = published_registry()
         if registry is None or engine_client is None:
             return
+        try:
+            await asyncio.wrap_future(registry_loaded())  # loading since before vLLM started its engine
+        except Exception as e:  # noqa: BLE001 - whatever stops a configured datastore stops the server
+            raise SystemExit(f"knnlm-serve: error: {e}") from None
         attached = await engine_client.collective_rpc(ATTACH, timeout=RPC_TIMEOUT_S, args=(registry.runtime.model_dump_json(),))
         state.knnlm_registry = registry
         registry.connect(VllmEngineLink(engine_client, asyncio.get_running_loop()), model_cpus(attached))

@@ -16,7 +16,9 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -55,8 +57,10 @@ def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
 
 
 def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
-    """Start Ray, load every configured datastore into the registry (checked against the model,
-    shard actors started and probed) and publish it in this process; return vLLM's extra flags.
+    """Check every configured datastore against the model, start Ray, publish the registry in
+    this process and return vLLM's extra flags. The datastores load into the registry (checksums,
+    shard actors started and probed, the embedded one built on first use) in the background while
+    vLLM starts its engine; the admin plugin waits for them before the server answers.
 
     Imports prometheus_client (through our metrics) only now, after main() chose its mode."""
     import torch
@@ -79,9 +83,13 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         )
     from index_builder.default_datastore import prepare_default_datastore
     from knnlm_serve.app_state import publish_registry
-    from knnlm_serve.runtime import ServedModel
+    from knnlm_serve.runtime import ServedModel, check_datastore
     from knnlm_serve.server.registry import DatastoreRegistry
 
+    model = ServedModel.inspect(model_dir)
+    for name, path in config.knn.datastores.items():  # a wrong path or model is refused before Ray and vLLM start
+        if path != DEFAULT_DATASTORE:
+            check_datastore(name, path, model)
     ray_address = None
     if config.knn.backend == "ray":
         import ray
@@ -91,17 +99,34 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "200")
         ray.init(address=config.knn.ray_address, namespace=config.knn.ray_namespace, include_dashboard=False, log_to_driver=False)
         ray_address = ray.get_runtime_context().gcs_address
-    registry = DatastoreRegistry(config.knn, ServedModel.inspect(model_dir), ray_address)
+    registry = DatastoreRegistry(config.knn, model, ray_address)
     atexit.register(registry.close)  # runs before ray.init's own exit handler (last in, first out)
-    for name, path in config.knn.datastores.items():
-        if path == DEFAULT_DATASTORE:
-            path = prepare_default_datastore(model_dir)
-        info = registry.load(name, path, make_default=name == config.knn.default_name)
-        logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
-    publish_registry(registry)
+
+    def load() -> None:
+        for name, path in config.knn.datastores.items():
+            if path == DEFAULT_DATASTORE:
+                path = prepare_default_datastore(model_dir)
+            info = registry.load(name, path, make_default=name == config.knn.default_name)
+            logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
+
+    publish_registry(registry, in_background(load, "knnlm-load"))
     os.environ.update(environment)
     logger.info("kNN serves on vLLM's model runner %s (%s)", runner.runner.upper(), runner.why)
     return ["--worker-extension-cls", EXTENSION, *graph_flags, *drafts]
+
+
+def in_background(work: Callable[[], None], name: str) -> Future:
+    """`work` in a daemon thread (a stopping server does not wait for it), as a future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as e:  # noqa: BLE001 - the future carries it to whoever waits
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return future
 
 
 def draft_flags(config: ServeConfig) -> list[str]:
@@ -140,10 +165,10 @@ def cuda_graph_flags(config: ServeConfig, cuda: bool) -> list[str]:
 
 @contextmanager
 def port_held(host: str, port: int) -> Iterator[None]:
-    """Hold the server's port while Ray starts and the datastores load. Ray's services and actors
-    take free ports as they start, and the kernel may hand out ours, which then answers our
-    clients until vLLM fails to bind it (vLLM binds before its own engine starts for the same
-    reason: vllm-project/vllm#8204)."""
+    """Hold the server's port while Ray starts. Ray's services take free ports as they start, and
+    the kernel may hand out ours, which then answers our clients until vLLM fails to bind it
+    (vLLM binds before its own engine starts for the same reason: vllm-project/vllm#8204). The
+    shard actors started later listen in Ray's worker port range."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as held:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
