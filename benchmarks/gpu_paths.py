@@ -10,6 +10,9 @@ CI has no GPU, so this is where the GPU branches of the shared code are exercise
   * shards: `ShardSearcher(use_gpu=True)` over a two-shard flat datastore from the builder answers
     searches and pointer lookups as the CPU one does, and an IVF shard with `use_gpu=True` is served
     by faiss-gpu or refused with the error naming knn.gpu (faiss-cpu);
+  * forgotten entries: a flat shard on the GPU with tombstones (a forget) and zeroed rows (a forget
+    with erase) never returns them, even to queries that are their own keys, and otherwise answers
+    as the CPU one does;
   * shard actors: `start_shard_actors` with `knn.gpu: true` (where Ray is installed): Ray gives each
     actor a share of the GPU, and plain calls and compiled graphs answer as the in-process CPU
     search does, timed at batch 32;
@@ -151,6 +154,48 @@ def check_shards(generator: ClusteredVectors) -> dict:
     return out
 
 
+def check_forgotten(generator: ClusteredVectors) -> dict:
+    """Tombstoned and erased entries of flat shards on the GPU (the torch search's +inf norms)
+    against the same shards on the CPU, queried with the forgotten entries' own keys."""
+    from index_builder.erase import erase_entries
+
+    keys = generator.draw(40_000, KEYS_STREAM, 0)
+    values = np.random.default_rng(0).integers(0, 49_152, len(keys))
+    tombstoned, erased = (19_000, 21_000), (5_000, 6_000)  # the first across the two shards' boundary
+    queries = np.concatenate([keys[19_980:20_010], keys[5_000:5_002], generator.draw(32, QUERY_STREAM, 1)])
+    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=keys.shape[1], vocab_size=49_152, dtype="float32")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "flat"
+        build_from_keys(keys, values, root, model, BuildConfig(index="flat", shards=2), source="gpu_paths", progress=False)
+        manifest = read_manifest(root)
+        gone = np.zeros(len(keys), dtype=bool)
+        for lo, hi in (tombstoned, erased):
+            gone[lo:hi] = True
+        first_ids = shard_first_ids(manifest)
+        shard0 = root / manifest.shards[0].index.path
+        index = faiss.read_index(str(shard0))
+        erase_entries(index, [erased])
+        faiss.write_index(index, str(shard0))
+        searchers = [
+            [
+                ShardSearcher(root, s, first, use_gpu=gpu, keep=~gone[first : first + s.entries])
+                for s, first in zip(manifest.shards, first_ids)
+            ]
+            for gpu in (True, False)
+        ]
+        found = [merge_topk([s.search(queries, K, 8) for s in shards], K) for shards in searchers]
+        pointers = np.tile(np.arange(19_990, 20_030), (len(queries), 1))  # into the tombstones, and past them
+        followed = [merge_topk([s.find(queries, K, 8, pointers) for s in shards], K) for shards in searchers]
+        ids = found[0][2]
+        return {
+            "keys_on": [s.exact.keys.device.type if s.exact is not None else None for s in searchers[0]],
+            "forgotten_ids_found_on_gpu": int(gone[ids[ids >= 0]].sum()),
+            "forgotten_ids_followed_on_gpu": int(gone[followed[0][2][followed[0][2] >= 0]].sum()),
+            "search": agreement(found[0][0], found[0][2], found[1][0], found[1][2]),
+            "pointers_same": all(np.array_equal(a, b) for a, b in zip(*followed)),
+        }
+
+
 def check_ray_actors(generator: ClusteredVectors, repeats: int) -> dict:
     """What the server starts with `knn.gpu: true`: one Ray actor per shard, each on a share of the GPU."""
     try:
@@ -269,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         "k": K,
         "flat_search": flat,
         "shards": check_shards(generator),
+        "forgotten": check_forgotten(generator),
         "ray_actors": check_ray_actors(generator, args.repeats),
         "mixture": check_mixture(),
         "keys": check_keys(),
@@ -289,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['fp32']['id_overlap_min']} | {row['tf32']['id_overlap_min']} |"
         )
     print(f"shards on the GPU vs CPU: {result['shards']}")
+    print(f"forgotten entries on the GPU vs CPU: {result['forgotten']}")
     print(f"Ray shard actors on the GPU: {result['ray_actors']}")
     print(f"mixture on CUDA vs CPU: {result['mixture']}")
     print(f"keys on CUDA vs CPU: {result['keys']}")
