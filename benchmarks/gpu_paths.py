@@ -122,20 +122,27 @@ def check_flat(entries: int, generator: ClusteredVectors, repeats: int) -> dict:
     return row
 
 
+STORE_ENTRIES, STORE_VOCAB = 40_000, 49_152
+
+
+def build_store(keys: np.ndarray, root: Path, index: str = "flat") -> None:
+    """A datastore of `keys` with random values, built as `knnlm-index` builds one (two shards if flat)."""
+    values = np.random.default_rng(0).integers(0, STORE_VOCAB, len(keys))
+    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=keys.shape[1], vocab_size=STORE_VOCAB, dtype="float32")
+    config = BuildConfig(index=index, shards=2 if index == "flat" else 1)
+    build_from_keys(keys, values, root, model, config, source="gpu_paths", progress=False)
+
+
 def check_shards(generator: ClusteredVectors) -> dict:
     """What a shard actor holds on a GPU, against the same shards on the CPU."""
-    keys = generator.draw(40_000, KEYS_STREAM, 0)
-    values = np.random.default_rng(0).integers(0, 49_152, len(keys))
+    keys = generator.draw(STORE_ENTRIES, KEYS_STREAM, 0)
     queries = generator.draw(32, QUERY_STREAM, 1)
     pointers = np.tile(np.arange(19_990, 20_030), (32, 1))  # across the two shards' boundary
-    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=keys.shape[1], vocab_size=49_152, dtype="float32")
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for index in ("flat", "IVF256,PQ48"):
             root = Path(tmp) / index
-            build_from_keys(
-                keys, values, root, model, BuildConfig(index=index, shards=2 if index == "flat" else 1), source="gpu_paths", progress=False
-            )
+            build_store(keys, root, index)
             manifest = read_manifest(root)
             try:
                 on = [ShardSearcher(root, s, first, use_gpu=True) for s, first in zip(manifest.shards, shard_first_ids(manifest))]
@@ -159,14 +166,12 @@ def check_forgotten(generator: ClusteredVectors) -> dict:
     against the same shards on the CPU, queried with the forgotten entries' own keys."""
     from index_builder.erase import erase_entries
 
-    keys = generator.draw(40_000, KEYS_STREAM, 0)
-    values = np.random.default_rng(0).integers(0, 49_152, len(keys))
+    keys = generator.draw(STORE_ENTRIES, KEYS_STREAM, 0)
     tombstoned, erased = (19_000, 21_000), (5_000, 6_000)  # the first across the two shards' boundary
     queries = np.concatenate([keys[19_980:20_010], keys[5_000:5_002], generator.draw(32, QUERY_STREAM, 1)])
-    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=keys.shape[1], vocab_size=49_152, dtype="float32")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "flat"
-        build_from_keys(keys, values, root, model, BuildConfig(index="flat", shards=2), source="gpu_paths", progress=False)
+        build_store(keys, root)
         manifest = read_manifest(root)
         gone = np.zeros(len(keys), dtype=bool)
         for lo, hi in (tombstoned, erased):
@@ -206,14 +211,12 @@ def check_ray_actors(generator: ClusteredVectors, repeats: int) -> dict:
     from knnlm_serve.retrieval import LocalRetriever, RayRetriever, start_shard_actors
     from knnlm_serve.runtime import DatastoreInfo
 
-    keys = generator.draw(40_000, KEYS_STREAM, 0)
-    values = np.random.default_rng(0).integers(0, 49_152, len(keys))
+    keys = generator.draw(STORE_ENTRIES, KEYS_STREAM, 0)
     queries = generator.draw(32, QUERY_STREAM, 1)
-    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=keys.shape[1], vocab_size=49_152, dtype="float32")
     knn = KnnConfig(backend="ray", ray_namespace="gpu-paths", gpu=True, k=K, max_k=K, shard_timeout_s=30.0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "flat"
-        build_from_keys(keys, values, root, model, BuildConfig(index="flat", shards=2), source="gpu_paths", progress=False)
+        build_store(keys, root)
         info = DatastoreInfo.of("gpu", root, read_manifest(root))
         ray.init(include_dashboard=False, log_to_driver=False, namespace=knn.ray_namespace)
         try:
