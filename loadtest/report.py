@@ -31,7 +31,9 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Load test ({report['created']}, {report['machine']})",
         "",
-        f"Server: {report['server']} (commit {report.get('commit')}); prompts: {report['prompt_source']}, {report['prompt_words']} words, "
+        f"Server: {report['server']} (commit {report.get('commit')}); prompts: {report['prompt_source']}"
+        + (f", {report['prompt_words']} words" if report.get("prompt_words") else "")
+        + ", "
         f"{report['output_len']} output tokens, streaming"
         + (f"; datastore drafts of up to {report['draft_tokens']} tokens" if report.get("draft_tokens") else "")
         + (f"; kNN-on vllm_xargs {json.dumps(report['knn_xargs'])}" if report.get("knn_xargs") else "")

@@ -10,6 +10,8 @@ them), hot-swap and shard-kill events in the middle of a run, and the plots.
     python loadtest/run.py --base-url http://host:8000 --admin-token T   # target a running server
     python loadtest/run.py ... --record default     # also replace the tracked report loadtest/results/default/
     python loadtest/run.py --draft-tokens 4         # kNN-on runs with datastore drafts (speculative decoding)
+    python loadtest/run.py --prompts questions.jsonl --knn-xargs '{"knn": false, "knn_context": 1}'
+                                                    # your prompts; the "on" runs put a passage in the prompt
 
 Each run writes its report, plots and the server's log under results/loadtest/<time>/ (untracked).
 """
@@ -54,6 +56,24 @@ def prompts_file(path: Path, count: int, words: int) -> str:
     return source
 
 
+def own_prompts(path: Path) -> Path:
+    """`path` checked as the --prompts file: JSONL, each line an object with a non-empty "prompt"."""
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"loadtest: --prompts {path}: cannot read it ({e})") from None
+    for number, line in enumerate(lines, start=1):
+        try:
+            prompt = json.loads(line).get("prompt")
+        except (json.JSONDecodeError, AttributeError):
+            prompt = None
+        if not isinstance(prompt, str) or not prompt:
+            raise SystemExit(f'loadtest: --prompts {path}: line {number} is not a JSON object with a non-empty "prompt" string')
+    if not lines:
+        raise SystemExit(f'loadtest: --prompts {path} holds no prompts: write one {{"prompt": ...}} object per line')
+    return path.resolve()
+
+
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local directories; never ask a hub
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -75,7 +95,13 @@ def main() -> None:
         "kNN-on runs then draft, and --knn-xargs '{\"knn_drafts\": false}' turns drafting off for them",
     )
     parser.add_argument("--pairs", type=int, default=3, help="interleaved off/on pairs per level, after one warm-up pair (median reported)")
-    parser.add_argument("--prompt-words", type=int, default=96)
+    parser.add_argument("--prompt-words", type=int, default=96, help="words per prompt cut from the corpus (without --prompts)")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        help='send these prompts (JSONL, a "prompt" per line; other fields are ignored, so `knnlm-eval items` output works) '
+        "instead of corpus windows, reused in turn when a run needs more",
+    )
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument(
         "--swap-to",
@@ -105,9 +131,12 @@ def main() -> None:
     extra = dict(item.split("=", 1) for item in args.datastore)
     out = args.out / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     (out / "runs").mkdir(parents=True)
-    dataset = str(Path(tempfile.mkdtemp(prefix="knnlm-loadtest-")) / "prompts.jsonl")  # corpus text stays out of the repo
-    count = max(8, args.prompts_per_level * max(args.concurrency)) * 2
-    source = prompts_file(Path(dataset), count, args.prompt_words)
+    if args.prompts:
+        dataset, source = str(own_prompts(args.prompts)), shown_path(args.prompts.resolve())
+    else:
+        dataset = str(Path(tempfile.mkdtemp(prefix="knnlm-loadtest-")) / "prompts.jsonl")  # corpus text stays out of the repo
+        count = max(8, args.prompts_per_level * max(args.concurrency)) * 2
+        source = prompts_file(Path(dataset), count, args.prompt_words)
 
     with contextlib.ExitStack() as stack:
         if args.base_url:
@@ -184,7 +213,7 @@ def main() -> None:
         "commit": git_commit(),
         "server": args.base_url or shown_path(args.config),
         "prompt_source": source,
-        "prompt_words": args.prompt_words,
+        "prompt_words": None if args.prompts else args.prompt_words,
         "output_len": args.output_len,
         "draft_tokens": args.draft_tokens,
         "knn_xargs": args.knn_xargs,
