@@ -4,6 +4,8 @@ served kNN defaults, context alone (`knn_context`, kNN off) and context with the
 and what the retrieval costs a request.
 
     .venv/bin/python benchmarks/context_eval.py        # ~40 min on 2 CPU cores
+    .venv/bin/python benchmarks/context_eval.py --chat --passages 1 --out DIR/context_eval
+                                                       # each item the user's message in the chat template
 
 Corpora, items and control as benchmarks/task_eval.py (pydocs: the embedded default datastore;
 networkx: a `knnlm-index build` of the networkx algorithms' docstrings), each served as built
@@ -72,7 +74,7 @@ def evaluate_corpus(name: str, datastore: Path, docs: Path, control: Path, work:
             "tasks", items, "--base-url", server.base_url,
             "--set", f"context:knn=false,knn_context={args.passages}",
             "--set", f"context+served:knn_context={args.passages}",
-            "-o", out / name,
+            *(["--chat"] if args.chat else []), "-o", out / name,
         )  # fmt: skip
     report = json.loads((out / name / "tasks.json").read_text())
     report["datastore_entries"] = read_manifest(datastore).entries
@@ -84,6 +86,7 @@ def evaluate_corpus(name: str, datastore: Path, docs: Path, control: Path, work:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passages", type=int, default=2, help="knn_context: passages put in the prompt")
+    parser.add_argument("--chat", action="store_true", help="ask through the chat template (knnlm-eval tasks --chat)")
     parser.add_argument("--limit", type=int, default=60, help="documented names sampled per corpus from the stored documents")
     parser.add_argument("--control-limit", type=int, default=30, help="and from the control documents")
     parser.add_argument("--corpora", nargs="+", default=["pydocs", "networkx"], choices=["pydocs", "networkx"])
@@ -99,6 +102,7 @@ def main() -> None:
     result = {
         **record,
         "passages_per_request": args.passages,
+        "chat": args.chat,
         "results": {
             name: {k: r[k] for k in ("datastore_entries", "passages", "retrieval_cost", "settings", "skipped", "summary")}
             for name, r in reports.items()
