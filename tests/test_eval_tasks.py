@@ -67,12 +67,19 @@ def test_memorised_answers_come_back_at_full_lambda_and_the_paired_counts_add_up
     assert (work / "out/tasks.png").stat().st_size > 0 and "| full | stored | 6 | 100.0% |" in (work / "out/tasks.md").read_text()
 
 
-def test_chat_items_use_the_chat_template(setup):
+def test_chat_items_go_through_the_chat_route_with_their_passages(setup):
     server, work = setup
-    result = knnlm_eval("tasks", str(work / "items.jsonl"), "--base-url", server.base_url, "--chat", "-o", str(work / "chat"))
+    args = ["--base-url", server.base_url, "--chat", "--set", "context:knn=false,knn_context=1", "-o", str(work / "chat")]
+    result = knnlm_eval("tasks", str(work / "items.jsonl"), *args)
     assert result.returncode == 0, result.stderr
     report = json.loads((work / "chat/tasks.json").read_text())
     assert report["chat"] and report["summary"]["off"]["all"]["items"] + len(report["skipped"]) == 10
+    stored = {i["id"]: i for i in report["items"] if i["kind"] == "stored" and i["id"] != "split"}
+    assert len(stored) == 6
+    for n in range(6):  # fact n is document n: its passage, retrieved for the user's message, is in the prompt
+        item = stored[f"s{n}"]
+        assert [p["document"] for p in item["context"]["passages"]] == [n] and item["off"]["passages"] == []
+        assert abs(item["context"]["logprob"] - item["off"]["logprob"]) > 1e-3  # the passage changed the scored prompt
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,10 @@ knobs, and each setting is paired with kNN off item by item.
 
 Per item and setting: the answer's log-probability given the prompt (one echo request over
 prompt + answer) and greedy exact match (a completion of the answer's length). With `chat`, the
-prompt is the user's message in the model's chat template and the answer the assistant's reply.
+prompt is the user's message and the answer the assistant's reply, asked through the chat route
+as a chat client asks, so that the server applies its chat template and puts `knn_context`
+passages where it puts them for every chat (retrieved for the user's message); the answer is
+scored as the assistant's message continued (`continue_final_message`, prompt logprobs).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from knnlm_serve.eval.task_items import TaskItem, TokenizedItem, tokenize_item
+from knnlm_serve.eval.text import EvalError
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -24,6 +28,7 @@ TIE = 1e-4  # nats: log-probabilities closer than this are a tie
 class ItemScore:
     logprob: float  # of the answer's tokens given the prompt
     exact: bool  # greedy decoding gives the answer's tokens
+    passages: list[dict]  # the `knn_context` passages in the prompt, as the server described them
 
 
 def tokenize_items(tokenizer, items: list[TaskItem], chat: bool) -> tuple[list[TokenizedItem], list[TaskItem]]:
@@ -36,13 +41,15 @@ def tokenize_items(tokenizer, items: list[TaskItem], chat: bool) -> tuple[list[T
 
 
 def _chat_item(tokenizer, item: TaskItem) -> TokenizedItem | None:
-    """The user's message in the chat template, then the reply: its tokens stand alone after the template's header."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}], add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer(text, add_special_tokens=False).input_ids  # the template carries its own special tokens
+    """The user's message and the reply in the chat template: the reply's tokens must end the
+    template continued from it, as they stand alone."""
+    messages = [{"role": "user", "content": item.prompt}, {"role": "assistant", "content": item.answer}]
+    text = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False).input_ids  # the template carries its own special tokens
     answer_ids = tokenizer(item.answer, add_special_tokens=False).input_ids
-    if not answer_ids or tokenizer.decode(answer_ids) != item.answer:
+    if not answer_ids or tokenizer.decode(answer_ids) != item.answer or ids[-len(answer_ids) :] != answer_ids:
         return None
-    return TokenizedItem(item, list(prompt_ids), list(answer_ids))
+    return TokenizedItem(item, list(ids[: -len(answer_ids)]), list(answer_ids))
 
 
 def score(client, model: str, item: TokenizedItem, xargs: dict) -> ItemScore:
@@ -55,8 +62,8 @@ def score(client, model: str, item: TokenizedItem, xargs: dict) -> ItemScore:
         temperature=0,
         extra_body={"vllm_xargs": xargs, "return_token_ids": True},
     )
-    context = ((greedy.model_extra or {}).get("knn_context") or {}).get("token_ids") or []
-    prompt = context + item.prompt_ids
+    context = (greedy.model_extra or {}).get("knn_context") or {}
+    prompt = (context.get("token_ids") or []) + item.prompt_ids
     echoed = client.completions.create(
         model=model,
         prompt=prompt + item.answer_ids,
@@ -67,7 +74,41 @@ def score(client, model: str, item: TokenizedItem, xargs: dict) -> ItemScore:
         extra_body={"vllm_xargs": {k: v for k, v in xargs.items() if k != "knn_context"}},
     )
     scored = echoed.choices[0].logprobs.token_logprobs[len(prompt) : len(prompt) + len(item.answer_ids)]
-    return ItemScore(float(sum(scored)), list(greedy.choices[0].token_ids) == item.answer_ids)
+    return ItemScore(float(sum(scored)), list(greedy.choices[0].token_ids) == item.answer_ids, context.get("passages", []))
+
+
+def score_chat(client, model: str, item: TokenizedItem, xargs: dict) -> ItemScore:
+    """Through the chat route: the greedy reply to the user's message, then the answer as the
+    assistant's message continued, scored by its prompt logprobs (the last tokens of the prompt)."""
+    user = [{"role": "user", "content": item.item.prompt}]
+    greedy = client.chat.completions.create(
+        model=model,
+        messages=user,
+        max_tokens=len(item.answer_ids),
+        temperature=0,
+        extra_body={"vllm_xargs": xargs, "return_token_ids": True},
+    )
+    continued = client.chat.completions.create(
+        model=model,
+        messages=[*user, {"role": "assistant", "content": item.item.answer}],
+        max_tokens=1,
+        temperature=0,
+        extra_body={
+            "vllm_xargs": xargs,
+            "return_token_ids": True,
+            "prompt_logprobs": 0,
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+        },
+    )
+    extra = continued.model_extra or {}
+    ids, logprobs = extra["prompt_token_ids"], extra["prompt_logprobs"]
+    n = len(item.answer_ids)
+    if ids[-n:] != item.answer_ids:
+        raise EvalError(f"item {item.item.id}: the server's chat template does not end with the answer's tokens: score it without --chat")
+    scored = [step[str(token)]["logprob"] for step, token in zip(logprobs[-n:], ids[-n:])]
+    context = (greedy.model_extra or {}).get("knn_context") or {}
+    return ItemScore(float(sum(scored)), list(greedy.choices[0].token_ids) == item.answer_ids, context.get("passages", []))
 
 
 def compare(scores: dict[str, dict[str, ItemScore]], kinds: dict[str, str]) -> dict:
@@ -121,9 +162,10 @@ def run_tasks(
     kept, skipped = tokenize_items(tokenizer, items, chat)
     settings = {"off": {"knn": False}, **settings}
     scores = {name: {} for name in settings}
+    scorer = score_chat if chat else score
     with ThreadPoolExecutor(concurrency) as pool:
         futures = {
-            pool.submit(score, client, model, item, xargs): (name, item.item.id) for item in kept for name, xargs in settings.items()
+            pool.submit(scorer, client, model, item, xargs): (name, item.item.id) for item in kept for name, xargs in settings.items()
         }
         for done, future in enumerate(as_completed(futures), start=1):
             name, item_id = futures[future]

@@ -89,7 +89,9 @@ def tasks_main(argv: list[str]) -> None:
     parser.add_argument("--model", help="served model name (default: the server's first)")
     parser.add_argument("--tokenizer", help="the served model's directory (default: the path the server reports, else the default model)")
     parser.add_argument("--set", action="append", type=parse_setting, default=[], metavar="NAME:KNOB=VALUE,...", help="another setting")
-    parser.add_argument("--chat", action="store_true", help="prompts as the user's message in the model's chat template")
+    parser.add_argument(
+        "--chat", action="store_true", help="ask through the chat route: the prompt as the user's message, the answer as the reply"
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (the server batches them)")
     parser.add_argument("-o", "--output", type=Path, default=Path("knnlm-eval-tasks"), help="directory for tasks.json/.md and the plot")
     args = parser.parse_args(argv)
