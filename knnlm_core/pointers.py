@@ -12,6 +12,10 @@ entries whose stored text a request is reading, started where the nearest neighb
 its token and moved along as the request's tokens keep matching the stored ones, through steps
 without a search; the stored tokens ahead of it are the draft.
 
+A request's draft rows are verified in one step, each row after the row before it: a row may
+follow the pointers of its previous row's neighbours. `find_linked` serves such rows in one
+search call (`RowLinks`), round by round where the shard is, instead of one call per draft position.
+
 Plain functions over explicit arrays: the server follows pointers per request and step, the
 evaluator replays them over a whole text with the same functions.
 """
@@ -19,6 +23,7 @@ evaluator replays them over a whole text with the same functions.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,6 +34,75 @@ def successors(ids: np.ndarray, values: np.ndarray, token: int, document_starts:
     right = ids[values == token]
     document_end = document_starts[np.searchsorted(document_starts, right, side="right")]
     return np.unique(right[right + 1 < document_end] + 1)
+
+
+def pointer_matrix(candidates: list[np.ndarray | None]) -> np.ndarray | None:
+    """The rows' candidates as one array [n, most candidates] padded with -1 (a row without
+    candidates is all -1, so it is searched), or None when no row has any."""
+    widths = [0 if c is None else len(c) for c in candidates]
+    if not any(widths):
+        return None
+    out = np.full((len(candidates), max(widths)), -1, dtype=np.int64)
+    for row, c in enumerate(candidates):
+        if c is not None:
+            out[row, : len(c)] = c
+    return out
+
+
+@dataclass(frozen=True)
+class RowLinks:
+    """Rows of one search call that may follow the pointers of an earlier row of the same call
+    (a request's draft rows): row i follows the neighbours of row `previous[i]` (its first
+    `ks[previous[i]]`) that predicted `fed[i]`, when at least `min_pointers[i]` (> 0) of their
+    successors exist. `previous[i]` −1: the row's pointers, if any, are the call's own."""
+
+    previous: np.ndarray  # int64 [n], each < its row
+    fed: np.ndarray  # int64 [n]: the token row i was fed
+    min_pointers: np.ndarray  # int64 [n]
+    ks: np.ndarray  # int64 [n]: the neighbours each row keeps
+
+
+def linked_candidates(
+    links: RowLinks, row: int, ids: np.ndarray, tokens: np.ndarray, document_starts: np.ndarray | None
+) -> np.ndarray | None:
+    """Row `row`'s candidates from its previous row's neighbours (`ids`, `tokens` [n, k] of the
+    call), or None where it has no previous row in the call or fewer than its `min_pointers`."""
+    previous = int(links.previous[row])
+    if previous < 0 or links.min_pointers[row] <= 0 or document_starts is None:
+        return None
+    kept = ids[previous, : links.ks[previous]]
+    found = kept >= 0
+    candidates = successors(kept[found], tokens[previous, : links.ks[previous]][found], int(links.fed[row]), document_starts)
+    return candidates if len(candidates) >= links.min_pointers[row] else None
+
+
+def find_linked(
+    find: Callable,
+    queries: np.ndarray,
+    k: int,
+    nprobe: int | None,
+    pointers: np.ndarray | None,
+    links: RowLinks,
+    document_starts: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`find(queries, k, nprobe, pointers) -> (distances, tokens, ids)` for rows linked to earlier
+    rows of the same call: in rounds, a row after the row it follows, with its candidates from that
+    row's answer. The searches and lookups of one call per round, made where the shard is."""
+    depth = np.zeros(len(queries), dtype=np.int64)
+    for row, previous in enumerate(links.previous.tolist()):
+        if previous >= 0:
+            depth[row] = depth[previous] + 1
+    n = len(queries)
+    out = (np.full((n, k), np.inf, np.float32), np.full((n, k), -1, np.int32), np.full((n, k), -1, np.int64))
+    for level in range(int(depth.max()) + 1 if n else 0):
+        rows = np.flatnonzero(depth == level)
+        if level == 0:
+            sent = None if pointers is None else pointers[rows]
+        else:
+            sent = pointer_matrix([linked_candidates(links, int(r), out[2], out[1], document_starts) for r in rows])
+        for column, values in zip(out, find(queries[rows], k, nprobe, sent)):
+            column[rows, : values.shape[1]] = values
+    return out
 
 
 def replay(

@@ -12,8 +12,9 @@ import torch
 from knnlm_core.config import KnnConfig
 from knnlm_core.keys import ffn_module
 from knnlm_serve.engine.batch_requests import BatchRequest, BatchRequests, LastNeighbours
-from knnlm_serve.engine.request_params import WIRE_KEY, KnnParamError, parse_knobs, with_defaults
+from knnlm_serve.engine.request_params import WIRE_KEY, KnnParamError, KnnParams, parse_knobs, with_defaults
 from knnlm_serve.engine.rows import prompt_rows, sampling_rows
+from knnlm_serve.engine.search_rounds import row_links, search_calls, search_rounds
 from knnlm_serve.runtime import DatastoreInfo, Runtime
 
 
@@ -122,6 +123,29 @@ def test_pointers_follow_the_row_after_the_last_accepted_draft():
     request.output_tokens.append(104)  # one more token, as if from a step not seen: the row with 3 drafts had 99, not 103
 
     assert request.last_sampled() is None
+
+
+def test_draft_rows_go_in_rounds_and_link_to_the_row_before_where_the_retriever_links():
+    """Three requests fed 0, 3 and 2 drafts; the third follows no pointers. One call per draft
+    position otherwise; where the retriever links rows, the positions after the first begun
+    mid-forward go in one call, each pointer row linked to its request's row before it."""
+    rows = sampling_rows(np.array([0, 1, 5, 8]), 3, drafts=np.array([0, 3, 2]))
+    assert rows.draft.tolist() == [0, 0, 1, 2, 3, 0, 1, 2]
+    on, off = KnnParams(True, "a", 0.25, 8, 1.0, min_pointers=2), KnnParams(True, "a", 0.25, 4, 1.0)
+    params = [on, on, on, on, on, off, off, off]
+    group = list(range(8))
+    rounds = search_rounds(rows.draft, params, group)
+    assert rounds == [[0, 1, 5, 6, 7], [2], [3], [4]]
+    assert search_calls(rounds, first_begun=False, links_rows=False) == rounds
+    assert search_calls(rounds, first_begun=True, links_rows=True) == [[0, 1, 5, 6, 7], [2, 3, 4]]
+    assert search_calls(rounds, first_begun=False, links_rows=True) == [group]
+    fed = [None, None, 11, 12, 13, None, 21, 22]
+    links = row_links(rows, params, fed, group)
+    assert links.previous.tolist() == [-1, -1, 1, 2, 3, -1, -1, -1]  # the third request follows no pointers
+    assert links.fed[2:5].tolist() == [11, 12, 13] and links.ks.tolist() == [8] * 5 + [4] * 3
+    later = row_links(rows, params, fed, [2, 3, 4])  # the call after the first round: its first row links to none
+    assert later.previous.tolist() == [-1, 0, 1]
+    assert row_links(rows, params, fed, [0, 1, 5, 6, 7]) is None
 
 
 CONFIG = runtime(info("wiki", 1), info("code", 1)).model_copy(update={"knn": KnnConfig(k=16, max_k=64)})

@@ -13,6 +13,7 @@ from index_builder.build import build_from_keys
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import read_manifest
 from knnlm_core.manifest import ModelIdentity
+from knnlm_core.pointers import RowLinks, find_linked, successors
 from knnlm_core.search import (
     FlatKeys,
     coarse_by_torch,
@@ -256,3 +257,51 @@ def test_fast_scan_shards_decode_their_codes_and_score_pointers_as_their_search(
     # Its tables round to 8 bits: the decoded keys' exact distances are close, not equal.
     exact = np.sum((shard.reconstruct(found.ravel()).reshape(8, 40, -1) - queries[:, None]) ** 2, axis=2)
     np.testing.assert_allclose(exact, distances, rtol=0.05)
+
+
+def test_rows_linked_in_one_call_get_what_one_call_per_round_gives(tmp_path):
+    """A request's draft rows in one search call (`find_linked`): each row follows the pointers of
+    the row before it, as sent one call per draft position with its candidates worked out from the
+    last call's answer, kept neighbours (k) and document ends respected. Rows with too few
+    candidates, or no pointers asked for, are searched."""
+    rng = np.random.default_rng(7)
+    keys, values = rng.normal(size=(6000, 16)).astype(np.float32), rng.integers(0, 6, 6000)
+    model = ModelIdentity(name="m", fingerprint="f", hidden_size=16, vocab_size=6, dtype="float32")
+    build_from_keys(keys, values, tmp_path / "ds", model, BuildConfig(index="flat"), source="t", progress=False)
+    (shard,) = open_shards(tmp_path / "ds", read_manifest(tmp_path / "ds"))
+    starts = np.array([0, 1500, 4000, 6000])
+    # three requests of four rows: pointers on, pointers on with a smaller k, pointers off
+    previous = np.array([-1, 0, 1, 2, -1, 4, 5, 6, -1, 8, 9, 10])
+    min_pointers = np.array([2] * 4 + [1] * 4 + [0] * 4)
+    ks = np.array([32] * 4 + [8] * 4 + [32] * 4)
+    fed = rng.integers(0, 6, 12)
+    queries = (keys[rng.integers(0, 6000, 12)] + 0.5 * rng.normal(size=(12, 16))).astype(np.float32)
+    first = np.full((12, 40), -1, dtype=np.int64)
+    first[4, :20] = np.arange(100, 120)  # the second request's first row follows pointers of its own
+    links = RowLinks(previous, fed, min_pointers, ks)
+
+    linked = find_linked(shard.find, queries, 32, None, first, links, starts)
+
+    expected = [np.full((12, 32), np.inf, np.float32), np.full((12, 32), -1, np.int32), np.full((12, 32), -1, np.int64)]
+    followed = []
+    for position in range(4):  # one call per draft position, as the worker sends them without links
+        rows = np.arange(position, 12, 4)
+        pointers = np.full((len(rows), 64), -1, dtype=np.int64)
+        for i, row in enumerate(rows):
+            if position == 0:
+                pointers[i, :40] = first[row]
+                continue
+            before = row - 1
+            kept = expected[2][before, : ks[before]]
+            candidates = successors(kept[kept >= 0], expected[1][before, : ks[before]][kept >= 0], int(fed[row]), starts)
+            if 0 < min_pointers[row] <= len(candidates):
+                pointers[i, : len(candidates)] = candidates
+                followed.append(row)
+        for column, answer in zip(expected, shard.find(queries[rows], 32, None, pointers)):
+            column[rows] = answer
+    for got, want in zip(linked, expected):
+        np.testing.assert_array_equal(got, want)
+    followed_set = set(followed)  # the links were followed where pointers were asked for, not elsewhere
+    assert followed_set & {1, 2, 3} and followed_set & {5, 6, 7} and not followed_set & {9, 10, 11}
+    searched = shard.search(queries, 32)[2]
+    assert all(not np.array_equal(linked[2][row], searched[row]) for row in followed)

@@ -15,7 +15,8 @@ Per call (one per step for the sampling rows, more for prompt-logprob rows):
 A request's previous row is its row before in this step (the draft before), or the row of its
 last step it sampled its newest token from: rows that may follow pointers are served in rounds,
 one draft position at a time, so each row sees what decoding without drafts would have shown it,
-and vLLM's rejection sampler verifies the drafts against the kNN-LM's own distribution.
+and vLLM's rejection sampler verifies the drafts against the kNN-LM's own distribution. Where
+one shard actor (or this process) holds the version, the rounds run there, in one call (RowLinks).
 With knn.overlap, steps 1-2 and the start of the search happen earlier, mid-forward (key_ready),
 for the first round's active sampling rows; the call then applies the skip rule and collects the
 answers. vLLM computes sample and prompt logprobs from what this returns, so clients see the mixture.
@@ -39,6 +40,7 @@ from knnlm_serve.engine.faults import Faults
 from knnlm_serve.engine.knn_mixer import KnnMixer, Neighbours, PendingRows
 from knnlm_serve.engine.request_params import KnnParams
 from knnlm_serve.engine.rows import LogitsRows
+from knnlm_serve.engine.search_rounds import row_links, search_calls, search_rounds
 from knnlm_serve.engine.tensor_parallel import FirstRank
 from knnlm_serve.retrieval import make_retriever
 from knnlm_serve.runtime import DatastoreInfo, Runtime
@@ -108,7 +110,7 @@ class KnnLogits:
             if info.key_type != "ffn_input" or key in self.faults.unhealthy:  # a `final` key does not exist yet
                 continue
             try:
-                first = self._rounds(plan, group)[0]
+                first = search_rounds(rows.draft, plan.params, group)[0]
                 keys = ffn_input[torch.as_tensor(rows.token_index[first], device=ffn_input.device)]
                 plan.started[key] = self._start(plan, first, info, keys) if self.first_rank.rank == 0 else None
             except Exception as e:  # noqa: BLE001 - fail open: these rows are served LM-only
@@ -175,7 +177,8 @@ class KnnLogits:
         kept = self.mixer.rows_to_search(top, [params[r] for r in group], info.name)
         at = {r: i for i, r in enumerate(group)}
         to_search = {group[i] for i in kept}
-        for i, members in enumerate(self._rounds(plan, group)):
+        calls = search_calls(search_rounds(rows.draft, params, group), key in plan.started, self.mixer.retriever.links_rows(info))
+        for i, members in enumerate(calls):
             searched = [r for r in members if r in to_search]
             if i == 0 and key in plan.started:  # begun mid-forward: collected even if every row was skipped
                 found = self.first_rank.run(self.mixer.finish, plan.started.pop(key), [members.index(r) for r in searched])
@@ -192,16 +195,6 @@ class KnnLogits:
             self.mixer.mix(logits, searched, log_z[[at[r] for r in searched]], found, info.name)
             if rows.sampling:
                 self._remember(plan, searched, found)
-
-    @staticmethod
-    def _rounds(plan: StepPlan, group: list[int]) -> list[list[int]]:
-        """The group's rows in the order pointer following needs: a row that may follow pointers
-        waits for its previous row's neighbours (one round per draft position); the others all go
-        in the first round."""
-        rounds: dict[int, list[int]] = {}
-        for r in group:
-            rounds.setdefault(int(plan.rows.draft[r]) if plan.params[r].min_pointers else 0, []).append(r)
-        return [rounds[j] for j in sorted(rounds)]
 
     def _remember(self, plan: StepPlan, searched: list[int], found: Neighbours) -> None:
         """Keep the sampling rows' neighbours: for the request's next step, and for its next row in this one."""
@@ -255,9 +248,12 @@ class KnnLogits:
         return self.mixer.finish(self._start(plan, group, info, keys))
 
     def _start(self, plan: StepPlan, group: list[int], info: DatastoreInfo, keys: torch.Tensor) -> PendingRows:
-        """Send the rows' queries (or their pointers' successors) to the version's shards."""
+        """Send the rows' queries (or their pointers' successors) to the version's shards; a row
+        whose previous row is in the same call follows that row's pointers there (`row_links`)."""
         candidates = [self._pointers(plan, r, info) if plan.rows.sampling else None for r in group]
-        return self.mixer.start(info, keys.float().cpu().numpy(), [plan.params[r] for r in group], self.runtime, candidates)
+        params = [plan.params[r] for r in group]
+        links = row_links(plan.rows, plan.params, plan.fed, group)
+        return self.mixer.start(info, keys.float().cpu().numpy(), params, self.runtime, candidates, links)
 
     def _pointers(self, plan: StepPlan, row: int, info: DatastoreInfo) -> np.ndarray | None:
         """Successors of the row's previous neighbours that predicted the token it was fed."""

@@ -15,6 +15,7 @@ import torch
 
 from knnlm_core.datastore import EntryValues, load_document_starts, read_manifest
 from knnlm_core.mixture import adaptive_lambda, interpolate
+from knnlm_core.pointers import RowLinks, linked_candidates, pointer_matrix
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KnnParams
 from knnlm_serve.retrieval import RetrievalError
@@ -42,7 +43,8 @@ class PendingRows:
     info: DatastoreInfo
     params: list[KnnParams]
     ks: np.ndarray
-    follow: np.ndarray  # bool [n]: the row follows pointers
+    follow: np.ndarray  # bool [n]: the row follows pointers (of its own; linked rows are known once answered)
+    links: RowLinks | None
     started: float
     sending: float  # seconds that sending the search held the step
     pending: object  # the retriever's pending search, or the RetrievalError that starting it raised
@@ -91,29 +93,32 @@ class KnnMixer:
         return kept
 
     def start(
-        self, info: DatastoreInfo, keys: np.ndarray, params: list[KnnParams], runtime: Runtime, candidates: list[np.ndarray | None]
+        self,
+        info: DatastoreInfo,
+        keys: np.ndarray,
+        params: list[KnnParams],
+        runtime: Runtime,
+        candidates: list[np.ndarray | None],
+        links: RowLinks | None = None,
     ) -> PendingRows:
         """Send the rows' search to the shards; `finish` collects it. A row with at least its
         `min_pointers` candidates (pointer following) is scored against those entries only; the
-        others are searched."""
+        others are searched. `links`: rows that may follow an earlier row of this call (the
+        retriever's `links_rows`)."""
         ks = np.array([p.k for p in params])
         follow = np.array([c is not None and 0 < p.min_pointers <= len(c) for c, p in zip(candidates, params)], dtype=bool)
-        pointers = None  # [n, max candidates], -1 padding: a row follows pointers when its first is set
-        if follow.any():
-            pointers = np.full((len(params), max(len(candidates[r]) for r in np.flatnonzero(follow))), -1, dtype=np.int64)
-            for r in np.flatnonzero(follow):
-                pointers[r, : len(candidates[r])] = candidates[r]
+        pointers = pointer_matrix([c if f else None for c, f in zip(candidates, follow)])
         started = time.perf_counter()
         try:
-            pending = self.retriever.start(info, keys, int(ks.max()), runtime.knn.nprobe or info.nprobe, pointers)
+            pending = self.retriever.start(info, keys, int(ks.max()), runtime.knn.nprobe or info.nprobe, pointers, links)
         except RetrievalError as e:
             pending = e
-        return PendingRows(info, params, ks, follow, started, time.perf_counter() - started, pending)
+        return PendingRows(info, params, ks, follow, links, started, time.perf_counter() - started, pending)
 
     def finish(self, rows: PendingRows, keep: list[int] | None = None) -> Neighbours | None:
         """The neighbours of a started search's rows (only the rows at positions `keep`, when
         given), or None when no shard answered (the rows are then served LM-only)."""
-        info, params, ks, follow = rows.info, rows.params, rows.ks, rows.follow
+        info, params, ks = rows.info, rows.params, rows.ks
         served = len(params) if keep is None else len(keep)
         waiting = time.perf_counter()
         try:
@@ -137,6 +142,11 @@ class KnnMixer:
             metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
         for reason in result.failed_shards.values():
             metrics.FALLBACKS.labels(info.name, reason).inc(served)
+        follow = rows.follow
+        if rows.links is not None:  # the linked rows that followed their previous row's pointers, as the shard did
+            starts = self.document_starts(info)
+            linked = [linked_candidates(rows.links, r, result.ids, result.tokens, starts) is not None for r in range(len(params))]
+            follow = follow | np.array(linked, dtype=bool)
         metrics.RETRIEVAL_STEPS.labels(info.name).inc()
         metrics.QUERIES.labels(info.name).inc(int((~follow).sum()))  # with overlap, rows the skip rule then dropped too
         metrics.POINTER_ROWS.labels(info.name).inc(int(follow.sum()))

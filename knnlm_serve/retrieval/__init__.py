@@ -3,7 +3,9 @@
 Both backends answer `search(info, queries, k, nprobe, pointers)`, or `start` then `result` (the
 shards search while the caller goes on), with the global top-k merged from every shard's top-k by
 distance; rows with pointers (pointer following) are scored against those entries instead of
-searched, in the same call. A shard that fails or misses the deadline is left out (policy
+searched, in the same call; where the backend holds the version in one place (`links_rows`),
+rows may follow the pointers of an earlier row of the same call (`RowLinks`: a request's draft
+rows), served in rounds there. A shard that fails or misses the deadline is left out (policy
 `partial`) or fails the whole search (policy `lm_only`); either way the caller learns why.
 
     types.py    what a search returns, and how it fails

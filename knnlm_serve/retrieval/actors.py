@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from knnlm_core.config import KnnConfig
-from knnlm_core.datastore import read_manifest
+from knnlm_core.datastore import load_document_starts, read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_core.pointers import RowLinks, find_linked
 from knnlm_core.search import gpu_available, open_shards
 from knnlm_serve.retrieval.types import timed
 from knnlm_serve.runtime import DatastoreInfo
@@ -46,7 +47,10 @@ class ShardActor:
         self._search_threads = threads or len(self._allowed)
         self._threads_set: set[int] = set()  # the threads that search with _search_threads
         self._use_search_threads()
-        (self.searcher,) = open_shards(Path(root), read_manifest(root), use_gpu, mmap, names={shard_name})
+        manifest = read_manifest(root)
+        (self.searcher,) = open_shards(Path(root), manifest, use_gpu, mmap, names={shard_name})
+        # for linked rows, which only a version with this one shard sends
+        self.document_starts = load_document_starts(Path(root), manifest) if len(manifest.shards) == 1 else None
 
     def describe(self) -> dict:
         import ray
@@ -64,9 +68,11 @@ class ShardActor:
             "nice": os.nice(0),
         }
 
-    def search(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None = None):
+    def search(self, queries: np.ndarray, k: int, nprobe: int | None, pointers: np.ndarray | None = None, links: RowLinks | None = None):
         self._use_search_threads()
-        return timed(self.searcher.find, queries, k, nprobe, pointers)
+        if links is None:
+            return timed(self.searcher.find, queries, k, nprobe, pointers)
+        return timed(find_linked, self.searcher.find, queries, k, nprobe, pointers, links, self.document_starts)
 
     def search_step(self, step: tuple):
         """`search(*step)` for a compiled graph: one input channel for the step, not one per argument."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from knnlm_core.config import KnnConfig
+from knnlm_core.pointers import RowLinks
 from knnlm_core.search import merge_topk
 from knnlm_serve.retrieval.actors import actor_name
 from knnlm_serve.retrieval.graphs import PLAIN, GraphPool, is_graph
@@ -33,7 +34,7 @@ class PendingSearch:
     """A search sent to the shards and not yet collected (RayRetriever.start -> result)."""
 
     info: DatastoreInfo
-    args: tuple  # (queries, k, nprobe, pointers) as sent
+    args: tuple  # (queries, k, nprobe, pointers, links) as sent
     deadline: float  # time.monotonic() by which every shard must have answered
     orders: list[list[int]]  # per shard, its replicas in the order they are asked
     calls: list[tuple]  # per shard, the first replica's call in flight: (graph or None, ref, when sent)
@@ -78,13 +79,21 @@ class RayRetriever:
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
         return self.result(self.start(info, queries, k, nprobe, pointers))
 
-    def start(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> PendingSearch:
+    @staticmethod
+    def links_rows(info: DatastoreInfo) -> bool:
+        """Whether a call may link rows (`RowLinks`): where one actor holds the whole version, so
+        it can follow a row's pointers with the row's answer in hand."""
+        return len(info.shards) == 1
+
+    def start(
+        self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None, links: RowLinks | None = None
+    ) -> PendingSearch:
         """Send the step's queries to one replica of every shard and return without waiting: the
         shards search while the caller goes on (knn.overlap: the rest of the forward pass)."""
         # Plain calls pass the queries with the call, not through ray.put: Ray inlines arguments
         # under 100 KB (a step's batch of 32 is 74 KB) and puts larger ones itself.
         queries = np.ascontiguousarray(queries, dtype=np.float32)
-        args = (queries, k, nprobe, pointers)
+        args = (queries, k, nprobe, pointers, links)
         actors = self._handles(info)
         if self.graphs.compiled:
             self.graphs.use(info.key)

@@ -221,7 +221,7 @@ class GraphPool:
 
 
 def compile_shard_graph(actor, dim: int):
-    """`actor.search(queries, k, nprobe, pointers)` as a Ray Compiled Graph, executed once (which
+    """`actor.search(queries, k, nprobe, pointers, links)` as a Ray Compiled Graph, executed once (which
     starts the actor's loop) so that the first real step does not wait for it."""
     from ray.dag import InputNode
 
