@@ -134,8 +134,10 @@ def measure(servers: dict, sets: dict, args) -> dict:
         for set_name, all_prompts in by_set.items():
             for concurrency in args.concurrency:
                 batch = all_prompts[: max(args.prompts, 2 * concurrency)]
-                for server, xargs in MODES.values():  # warm-up: each mode once, unmeasured
-                    tokens_per_second(servers[server], batch[:concurrency], 8, concurrency, {**xargs, "knn_datastore": store})
+                # Warm-up: each mode once, unmeasured, at full length (a drafts server's first long
+                # generations ran slower than its later ones).
+                for server, xargs in MODES.values():
+                    tokens_per_second(servers[server], batch[:concurrency], args.tokens, concurrency, {**xargs, "knn_datastore": store})
                 runs = {mode: [] for mode in MODES}
                 drafts = {mode: np.zeros((len(SOURCES), 3)) for mode in MODES if mode.endswith("+drafts")}
                 for repeat in range(args.repeats):
