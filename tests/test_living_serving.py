@@ -3,6 +3,7 @@ beside it), under traffic: real server, Ray shard actors with replicas, flat and
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -201,9 +202,14 @@ def test_a_forgotten_secret_leaves_no_copy_below_the_datastore_root(server, root
     assert not (root / f".{name}.partial").exists()
 
 
-def add_children() -> list[psutil.Process]:
-    """Running `knnlm-index add` processes (the admin route's jobs)."""
-    return [p for p in psutil.process_iter(["cmdline"]) if "index_builder.cli" in (p.info["cmdline"] or []) and "add" in p.info["cmdline"]]
+def add_children(server) -> list[psutil.Process]:
+    """The server's running `knnlm-index add` processes (the admin route's jobs)."""
+    found = []
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):  # a child that ended meanwhile
+            if {"index_builder.cli", "add"} <= set(child.cmdline()):
+                found.append(child)
+    return found
 
 
 def test_a_killed_add_leaves_no_texts_file_and_no_work_directory(server, root):
@@ -212,7 +218,7 @@ def test_a_killed_add_leaves_no_texts_file_and_no_work_directory(server, root):
     response = admin(server, "POST", "/datastores/flat/documents", texts=[{"text": FACT.replace("zebra", "ocelot"), "id": "killed"}])
     assert response.status_code == 202, response.text
     children = []
-    until(lambda: children.extend(add_children()) or children, 60, "the add's child process never started")
+    until(lambda: children.extend(add_children(server)) or children, 60, "the add's child process never started")
     assert set(folder.glob("*")) - before  # its texts file was written
     children[0].kill()
     job = job_of(server, response)
