@@ -4,12 +4,15 @@ explanations are whole or refused (real server, Ray shard actors, FAISS)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import threading
 
 import numpy as np
 import openai
+import psutil
 import pytest
 import requests
 from conftest import TINY_SERVER, continuations, greedy, stream_while, until
@@ -166,11 +169,22 @@ def test_each_bad_datastore_file_is_refused_at_load_naming_the_file_and_field(se
 
 
 def started(tiny_model_dir, datastore, work) -> str:
-    """The log of a server started with `datastore` configured, which must fail to start."""
+    """The log of a server started with `datastore` configured, which must fail to start and leave
+    none of vLLM's engine processes running."""
     knn = {"datastores": {"a": str(datastore)}, "fail_open": False}
     server = RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work, startup_timeout=300)
     with pytest.raises(RuntimeError, match="server exited"):
         server.__enter__()
+
+    def engines() -> list[str]:  # the server's session: it was started as a session leader
+        names = []
+        for p in psutil.process_iter(["name"]):
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                if os.getsid(p.pid) == server.proc.pid and p.info["name"].startswith("VLLM::"):
+                    names.append(p.info["name"])
+        return names
+
+    until(lambda: not engines(), 30, f"engine processes left running: {engines()}")
     return server.log_path.read_text()
 
 
@@ -181,11 +195,11 @@ def test_a_configured_datastore_with_a_bad_manifest_is_refused_before_ray_and_vl
 
 
 def test_a_configured_datastore_with_a_bad_file_stops_the_start_naming_it(tiny_model_dir, root, tmp_path):
-    """Checksums, provenance and shard actors are checked while vLLM starts its engine, and the
-    server answers only once they pass."""
+    """Checksums, provenance and shard actors are checked while vLLM starts its engine; a failure
+    stops that start at once, before the model is loaded."""
     log = started(tiny_model_dir, root / "provenance-json", tmp_path)
     assert "knnlm-serve: error:" in log and "provenance.json" in log
-    assert "Starting vLLM server" not in log
+    assert "Loading weights took" not in log and "Starting vLLM server" not in log
 
 
 def test_a_calibration_beyond_this_servers_limits_is_held_to_them(server, ids):

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -26,6 +27,7 @@ from knnlm_core.config import ServeConfig, load_serve_config
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for, prepare_default_model
 from knnlm_core.errors import ConfigError, KnnlmError, ModelError
 from knnlm_core.model_dir import architecture_of, check_model_dir
+from knnlm_serve.app_state import publish_registry, registry_loaded
 from knnlm_serve.logs import log_to_stderr
 
 logger = logging.getLogger("knnlm_serve")
@@ -82,7 +84,6 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
             "Serve it without knn.datastores, or see the README's list of supported architectures"
         )
     from index_builder.default_datastore import prepare_default_datastore
-    from knnlm_serve.app_state import publish_registry
     from knnlm_serve.runtime import ServedModel, check_datastore
     from knnlm_serve.server.registry import DatastoreRegistry
 
@@ -109,10 +110,26 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
             info = registry.load(name, path, make_default=name == config.knn.default_name)
             logger.info("datastore %r: %s entries, %d shard(s), key %s", name, f"{info.entries:,}", len(info.shards), info.key_type)
 
-    publish_registry(registry, in_background(load, "knnlm-load"))
+    signal.signal(signal.SIGTERM, interrupt_start)  # after ray.init, which sets its own; before a failed load can send one
+    loaded = in_background(load, "knnlm-load")
+    loaded.add_done_callback(stop_the_start_if_failed)
+    publish_registry(registry, loaded)
     os.environ.update(environment)
     logger.info("kNN serves on vLLM's model runner %s (%s)", runner.runner.upper(), runner.why)
     return ["--worker-extension-cls", EXTENSION, *graph_flags, *drafts]
+
+
+def stop_the_start_if_failed(loaded: Future) -> None:
+    """A configured datastore that cannot serve stops the server now, not once vLLM has loaded the
+    model: SIGTERM interrupts vLLM's engine start (it stops the engine processes it began), and
+    main() reports why."""
+    if loaded.exception() is not None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def interrupt_start(*_) -> None:
+    """SIGTERM before vLLM installs its own handler, which does the same."""
+    raise KeyboardInterrupt("terminated")
 
 
 def in_background(work: Callable[[], None], name: str) -> Future:
@@ -225,6 +242,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="prepare-model: convert again even if cached")
     args = parser.parse_args(argv)
     log_to_stderr()
+    try:
+        run(args)
+    except KeyboardInterrupt:  # SIGTERM during the start: a failed datastore load sends one
+        loaded = registry_loaded()
+        if loaded is not None and loaded.done() and loaded.exception() is not None:
+            sys.exit(f"knnlm-serve: error: {loaded.exception()}")
+        raise
+
+
+def run(args: argparse.Namespace) -> None:
     try:
         config = load_serve_config(args.config, model=args.model, host=args.host, port=args.port)
         if args.ray_address:
