@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from run_record import run_record  # noqa: E402
-from task_eval import knnlm_eval, plot, prepare_corpora, table  # noqa: E402
+from task_eval import CORPORA, DEFAULT_CORPORA, knnlm_eval, plot, prepare_corpora, table  # noqa: E402
 
 from knnlm_core.datastore import read_manifest  # noqa: E402
 from knnlm_core.default_model import prepare_default_model  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--chat", action="store_true", help="ask through the chat template (knnlm-eval tasks --chat)")
     parser.add_argument("--limit", type=int, default=60, help="documented names sampled per corpus from the stored documents")
     parser.add_argument("--control-limit", type=int, default=30, help="and from the control documents")
-    parser.add_argument("--corpora", nargs="+", default=["pydocs", "networkx"], choices=["pydocs", "networkx"])
+    parser.add_argument("--corpora", nargs="+", default=DEFAULT_CORPORA, choices=CORPORA)
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/context_eval")
     args = parser.parse_args()

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from run_record import run_record
-from task_eval import prepare_corpora
+from task_eval import CORPORA, DEFAULT_CORPORA, prepare_corpora
 
 from knnlm_core.datastore import load_document_starts, read_manifest
 from knnlm_core.default_model import prepare_default_model
@@ -204,8 +204,8 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=60, help="documented names sampled per corpus (context_eval's items)")
-    parser.add_argument("--corpora", nargs="+", default=["pydocs", "networkx"], choices=["pydocs", "networkx"])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"), help="where the networkx store is built once")
+    parser.add_argument("--corpora", nargs="+", default=DEFAULT_CORPORA, choices=CORPORA)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"), help="where the package corpora's stores are built once")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/retrievers.json")
     args = parser.parse_args()
     try:

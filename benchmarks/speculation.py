@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from run_record import run_record  # noqa: E402
-from task_eval import prepare_corpora  # noqa: E402
+from task_eval import CORPORA, DEFAULT_CORPORA, prepare_corpora  # noqa: E402
 
 from knnlm_core.default_model import prepare_default_model  # noqa: E402
 from knnlm_serve.eval.doc_items import stored_hashes  # noqa: E402
@@ -227,8 +227,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="requests per run (at least 2 per unit of concurrency)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per mode")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--corpora", nargs="+", default=["pydocs", "networkx"], choices=["pydocs", "networkx"])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"), help="where the networkx store is built once")
+    parser.add_argument("--corpora", nargs="+", default=DEFAULT_CORPORA, choices=CORPORA)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"), help="where the package corpora's stores are built once")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speculation.json")
     args = parser.parse_args()
     record = run_record("speculation")

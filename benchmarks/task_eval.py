@@ -10,6 +10,8 @@ Corpora (each: documents in the datastore, and control documents out of it):
   * networkx: docstrings of the `networkx` package's algorithms (PyPI; the same layout), a
     datastore built with `knnlm-index build` defaults; control: every fifth module, and the
     build's held-out ones.
+  * sympy: the same for the `sympy` package's modules (not in the default run: kept as a corpus
+    that no setting or rule was chosen on).
 For each: `knnlm-eval items` writes the items; the datastore is calibrated again twice (copies):
 `fit` (the best held-out adaptive-λ curve) and `ceiling` (the highest λ at distance 0 within
 CEILING of it); a server (configs/default.yaml) serves both, and `knnlm-eval tasks` scores kNN
@@ -21,7 +23,9 @@ benchmarks/results/task_eval/<corpus>/tasks.*, and benchmarks/results/task_eval.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import importlib
 import json
 import pkgutil
 import shutil
@@ -60,7 +64,10 @@ STDLIB_CONTROL = (
     "gettext",
 )
 CEILING = 0.005  # the ceiling tolerance tried against the best held-out fit
-NETWORKX_STORE_CHARS = 480_000  # about 120k tokens, the size of the issue's library-docs store
+PACKAGE_STORE_CHARS = 480_000  # about 120k tokens, the size of the issue's library-docs store
+PACKAGE_CORPORA = {"networkx": "networkx.algorithms", "sympy": "sympy"}  # corpus -> the package whose modules it documents
+CORPORA = ("pydocs", *PACKAGE_CORPORA)
+DEFAULT_CORPORA = ["pydocs", "networkx"]
 
 
 def write_documents(modules, out: Path) -> Path:
@@ -70,37 +77,53 @@ def write_documents(modules, out: Path) -> Path:
     return out
 
 
-def networkx_modules() -> tuple[list[str], list[str]]:
-    """(stored, control): networkx.algorithms modules in name order, every fifth one the control;
-    the stored ones until their text reaches NETWORKX_STORE_CHARS."""
-    import networkx
-
-    names = sorted(m.name for m in pkgutil.walk_packages(networkx.algorithms.__path__, "networkx.algorithms.") if ".tests" not in m.name)
-    documented = [n for n in names if module_documents((n,))[n].count("\n\nnetworkx.") >= 2]
+def package_modules(package: str) -> tuple[list[str], list[str]]:
+    """(stored, control): the package's modules that document two or more names, in name order,
+    every fifth one the control; the stored ones until their text reaches PACKAGE_STORE_CHARS.
+    Modules that fail to import (optional dependencies) are left out."""
+    root = importlib.import_module(package)
+    names = sorted(
+        m.name
+        for m in pkgutil.walk_packages(root.__path__, f"{package}.", onerror=lambda _: None)
+        if ".tests" not in m.name and ".benchmarks" not in m.name
+    )
+    texts = {}
+    for name in names:
+        with contextlib.suppress(Exception):
+            texts[name] = module_documents((name,))[name]
+    top = package.split(".")[0]
+    documented = [n for n, text in texts.items() if text.count(f"\n\n{top}.") >= 2]
     control = documented[4::5]
     stored, chars = [], 0
     for name in (n for n in documented if n not in control):
-        if chars >= NETWORKX_STORE_CHARS:
+        if chars >= PACKAGE_STORE_CHARS:
             break
         stored.append(name)
-        chars += len(module_documents((name,))[name])
+        chars += len(texts[name])
     return stored, control
 
 
 def prepare_corpora(names: list[str], work: Path, model_dir: Path) -> dict[str, tuple[Path, Path, Path]]:
-    """name -> (datastore, stored documents, control documents), the networkx store built once in `work`."""
+    """name -> (datastore, stored documents, control documents), a package corpus's store built once in `work`."""
     corpora = {}
     if "pydocs" in names:
         docs, control = write_documents(MODULES, work / "pydocs-docs"), write_documents(STDLIB_CONTROL, work / "pydocs-control")
         corpora["pydocs"] = (prepare_default_datastore(model_dir), docs, control)
-    if "networkx" in names:
-        stored, control_modules = networkx_modules()
-        docs, control = write_documents(stored, work / "networkx-docs"), write_documents(control_modules, work / "networkx-control")
-        store = work / "networkx-store"
+    for name in (n for n in names if n in PACKAGE_CORPORA):
+        stored, control_modules = package_modules(PACKAGE_CORPORA[name])
+        docs, control = write_documents(stored, work / f"{name}-docs"), write_documents(control_modules, work / f"{name}-control")
+        store = work / f"{name}-store"
         if not (store / "manifest.json").exists():
             build_datastore([docs], store, model_dir, BuildConfig())
-        corpora["networkx"] = (store, docs, control)
+        corpora[name] = (store, docs, control)
     return corpora
+
+
+def package_corpus(name: str) -> dict:
+    """What a package corpus holds: the package's version, its stored and control modules."""
+    stored, control = package_modules(PACKAGE_CORPORA[name])
+    top = PACKAGE_CORPORA[name].split(".")[0]
+    return {"package": f"{top} {importlib.import_module(top).__version__}", "documents": stored, "control": control}
 
 
 def knnlm_eval(*args) -> None:
@@ -206,7 +229,7 @@ def main() -> None:
     parser.add_argument("--strong", type=float, default=0.8, help="λ of the stronger setting")
     parser.add_argument("--limit", type=int, default=60, help="documented names sampled per corpus from the stored documents")
     parser.add_argument("--control-limit", type=int, default=30, help="and from the control documents")
-    parser.add_argument("--corpora", nargs="+", default=["pydocs", "networkx"], choices=["pydocs", "networkx"])
+    parser.add_argument("--corpora", nargs="+", default=DEFAULT_CORPORA, choices=CORPORA)
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-task-eval"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/task_eval")
     args = parser.parse_args()
@@ -216,7 +239,6 @@ def main() -> None:
 
     model_dir = prepare_default_model()
     corpora = prepare_corpora(args.corpora, args.work, model_dir)
-    nx_stored, nx_control_modules = networkx_modules()
     reports = {
         name: evaluate_corpus(name, datastore, docs, control_docs, args.work, args.out, model_dir, args)
         for name, (datastore, docs, control_docs) in corpora.items()
@@ -225,11 +247,7 @@ def main() -> None:
         **record,
         "corpora": {
             "pydocs": {"documents": list(MODULES), "control": list(STDLIB_CONTROL)},
-            "networkx": {
-                "package": f"networkx {__import__('networkx').__version__}",
-                "documents": nx_stored,
-                "control": nx_control_modules,
-            },
+            **{name: package_corpus(name) for name in corpora if name in PACKAGE_CORPORA},
         },
         "strong_lambda": args.strong,
         "ceiling_tolerance": CEILING,
