@@ -1,17 +1,20 @@
 """Does the datastore's passage in the prompt answer what kNN in the logits cannot? "Which name does
-this?" from documentation, in three forms plus control items, on two corpora, with kNN off, the
+this?" from documentation, in three forms plus control items, per corpus, with kNN off, the
 served kNN defaults, context alone (`knn_context`, kNN off) and context with the kNN defaults;
 and what the retrieval costs a request.
 
     .venv/bin/python benchmarks/context_eval.py        # ~40 min on 2 CPU cores
     .venv/bin/python benchmarks/context_eval.py --chat --passages 1 --out DIR/context_eval
                                                        # each item the user's message in the chat template
+    .venv/bin/python benchmarks/context_eval.py --corpora sympy --passages 1 --out DIR/context_eval
+                                                       # a third corpus, no setting chosen on it
 
 Corpora, items and control as benchmarks/task_eval.py (pydocs: the embedded default datastore;
-networkx: a `knnlm-index build` of the networkx algorithms' docstrings), each served as built
-(its own calibration and passage gate). The cost: the passage search's time for each item's
-question, in-process, median and p99 per corpus. Writes benchmarks/results/context_eval/<corpus>/
-tasks.*, and benchmarks/results/context_eval.json, .md and .png.
+networkx: a `knnlm-index build` of the networkx algorithms' docstrings; sympy: the same of sympy's
+modules, about 25 min more for its build), each served as built (its own calibration and passage
+gate). The cost: the passage search's time for each item's question, in-process, median and p99
+per corpus. Writes benchmarks/results/context_eval/<corpus>/tasks.*, and
+benchmarks/results/context_eval.json, .md and .png.
 """
 
 from __future__ import annotations

@@ -205,7 +205,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit", type=int, default=60, help="documented names sampled per corpus (context_eval's items)")
     parser.add_argument("--corpora", nargs="+", default=DEFAULT_CORPORA, choices=CORPORA)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"), help="where the package corpora's stores are built once")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"), help="where corpus stores are built once")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/retrievers.json")
     args = parser.parse_args()
     try:

@@ -228,7 +228,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats per mode")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--corpora", nargs="+", default=DEFAULT_CORPORA, choices=CORPORA)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"), help="where the package corpora's stores are built once")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-context-eval"), help="where corpus stores are built once")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/speculation.json")
     args = parser.parse_args()
     record = run_record("speculation")
