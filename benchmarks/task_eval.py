@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import importlib
 import json
@@ -77,6 +78,7 @@ def write_documents(modules, out: Path) -> Path:
     return out
 
 
+@functools.cache  # the corpus and the report's record both ask; a package imports once
 def package_modules(package: str) -> tuple[list[str], list[str]]:
     """(stored, control): the package's modules that document two or more names, in name order,
     every fifth one the control; the stored ones until their text reaches PACKAGE_STORE_CHARS.
