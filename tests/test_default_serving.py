@@ -161,6 +161,30 @@ def test_a_bad_knn_context_is_a_400_naming_it(default_server, value):
     assert response.status_code == 400 and "knn_context" in response.text, response.text
 
 
+QUESTION = {"role": "user", "content": "Who built the Quellin bridge?"}
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("completions", {"prompt": "Who built the Quellin bridge?", "max_tokens": "four"}, "max_tokens"),
+        ("completions", {"prompt": [504, 2, -5], "max_tokens": 4}, "prompt"),
+        ("completions", {"prompt": ["Who built it?", "And when?"], "max_tokens": 4}, "prompt"),
+        ("chat/completions", {"messages": ["Be brief.", QUESTION], "max_tokens": 4}, "messages[0]"),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content"),
+        ("chat/completions", {"messages": [QUESTION], "max_completion_tokens": [4]}, "max_completion_tokens"),
+    ],
+)
+def test_a_body_the_passages_cannot_read_is_a_400_naming_its_field(default_server, route, body, param):
+    response = requests.post(
+        f"{default_server.base_url}/v1/{route}",
+        json={"model": "smollm2", **body, "vllm_xargs": {"knn_datastore": "facts", "knn_context": 1}},
+        timeout=60,
+    )
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+    assert "Marta" in ask(default_server, "Who built the Quellin bridge?", True, knn=False, knn_context=1)[0]
+
+
 def test_a_damaged_passage_file_serves_the_request_without_passages_and_counts_it(default_server, root):
     shutil.copytree(root / "facts", root / "facts-damaged")
     loaded = requests.post(

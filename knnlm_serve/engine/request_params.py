@@ -134,12 +134,14 @@ class KnnParams:
 LM_ONLY = KnnParams(False, None, 0.0, 1, 1.0)
 
 
-def parse_knobs(extra_args: dict | None, datastores: Collection[str], max_k: int) -> RequestKnobs:
-    """The client's `vllm_xargs`, checked against the served datastores and `knn.max_k`."""
+def parse_knobs(extra_args: dict | None, datastores: Collection[str], max_k: int, route_keys: tuple[str, ...] = ()) -> RequestKnobs:
+    """The client's `vllm_xargs`, checked against the served datastores and `knn.max_k`.
+    `route_keys` are knobs the route reads itself (named among the known keys, not parsed here)."""
     args = extra_args or {}
-    unknown = sorted(k for k in args if k.startswith("knn") and k not in KNOWN_KEYS)
+    known = (*KNOWN_KEYS, *route_keys)
+    unknown = sorted(k for k in args if k.startswith("knn") and k not in known)
     if unknown:
-        raise KnnParamError(unknown[0], args[unknown[0]], f"one of the known keys {list(KNOWN_KEYS)} (unknown key)")
+        raise KnnParamError(unknown[0], args[unknown[0]], f"one of the known keys {list(known)} (unknown key)")
     datastore = args.get("knn_datastore")
     if "knn_datastore" in args and datastore not in datastores:
         raise KnnParamError("knn_datastore", datastore, f"one of {sorted(datastores)}")

@@ -58,7 +58,9 @@ class AdmissionMiddleware:
             try:
                 request, context = _admitted(state, registry, request, scope["path"])
             except KnnlmError as e:
-                param = f"vllm_xargs.{e.field}" if isinstance(e, KnnParamError) else f"vllm_xargs.{ctx.KNOB}"
+                param = (
+                    e.param if isinstance(e, ctx.BodyFieldError) else f"vllm_xargs.{e.field if isinstance(e, KnnParamError) else ctx.KNOB}"
+                )
                 content = {"error": {"message": str(e), "type": "BadRequestError", "param": param, "code": STATUS[e.kind]}}
                 return await JSONResponse(content, status_code=STATUS[e.kind])(scope, receive, send)
             body = json.dumps(request).encode()
@@ -93,7 +95,7 @@ def _admitted(state, registry, request: dict, path: str) -> tuple[dict, dict | N
     if ctx.KNOB in xargs and path not in CONTEXT_ROUTES:
         raise KnnParamError(ctx.KNOB, xargs[ctx.KNOB], f"absent: passages go into prompts on {' and '.join(CONTEXT_ROUTES)}")
     xargs.pop(ctx.KNOB, None)
-    knobs = parse_knobs(xargs, runtime.datastores, runtime.knn.max_k)
+    knobs = parse_knobs(xargs, runtime.datastores, runtime.knn.max_k, route_keys=(ctx.KNOB,) if path in CONTEXT_ROUTES else ())
     _count(runtime, knobs)
     others = {k: v for k, v in xargs.items() if k not in KNOWN_KEYS}
     request = {**request, "vllm_xargs": {**others, WIRE_KEY: knobs.wire()}}
@@ -116,7 +118,7 @@ def _with_context(state, registry, request: dict, chat: bool, count: int, name: 
     tokenizer = ctx.tokenizer_of(str(registry.model.path))
     tokens = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
     query = ctx.query_text(request, chat, tokenizer)
-    prompt_tokens = sum(tokens(m["content"]) for m in request["messages"] if isinstance(m.get("content"), str)) if chat else tokens(query)
+    prompt_tokens = tokens(ctx.prompt_text(request, chat, query))
     budget = ctx.token_budget(request, chat, prompt_tokens, state.vllm_config.model_config.max_model_len)
     if info.passages is None:
         raise KnnlmError(

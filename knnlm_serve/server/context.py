@@ -98,22 +98,60 @@ def passage_index(path: str, sha256: str) -> PassageIndex:
     return PassageIndex(Path(path))
 
 
+class BodyFieldError(KnnlmError):
+    """A field of the request body that the passages need and cannot read: a 400 naming it."""
+
+    kind = ErrorKind.MALFORMED
+
+    def __init__(self, param: str, allowed: str):
+        super().__init__(f"{param} must be {allowed} (with vllm_xargs.{KNOB})")
+        self.param = param
+
+
 def query_text(body: dict, chat: bool, tokenizer) -> str:
     """The request's own text: a completion's prompt (text, or token ids decoded), or a chat's last user message."""
     if not chat:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return tokenizer.decode(prompt)
+            try:
+                return tokenizer.decode(prompt)
+            except (OverflowError, TypeError, ValueError) as e:
+                raise BodyFieldError("prompt", f"token ids of the model's vocabulary ({e})") from e
         if not isinstance(prompt, str):
-            raise KnnlmError(f"vllm_xargs.{KNOB} needs one prompt, as text or as token ids (not a list of prompts)", ErrorKind.MALFORMED)
+            raise BodyFieldError("prompt", "one prompt, as text or as token ids (not a list of prompts)")
         return prompt
-    for message in reversed(body.get("messages") or []):
-        if isinstance(message, dict) and message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, list):
-                content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
-            return content if isinstance(content, str) else ""
-    raise KnnlmError(f"vllm_xargs.{KNOB} needs a user message to retrieve passages for", ErrorKind.MALFORMED)
+    for i, message in reversed(list(enumerate(chat_messages(body)))):
+        if message.get("role") == "user":
+            return message_text(message, f"messages[{i}].content")
+    raise BodyFieldError("messages", "a list with a user message to retrieve passages for")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """A chat's messages, checked to be a list of objects."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise BodyFieldError("messages", "a list of message objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BodyFieldError(f"messages[{i}]", "a message object")
+    return messages
+
+
+def message_text(message: dict, param: str) -> str:
+    """A message's text: its content, or the text of its content parts."""
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(part, dict) and isinstance(part.get("text", ""), str) for part in content):
+        return " ".join(part.get("text", "") for part in content)
+    raise BodyFieldError(param, "text, or a list of content parts whose text is a string")
+
+
+def prompt_text(body: dict, chat: bool, query: str) -> str:
+    """The text the prompt's tokens are counted from: a completion's query, or every message of a chat."""
+    if not chat:
+        return query
+    return "\n".join(message_text(m, f"messages[{i}].content") for i, m in enumerate(chat_messages(body)))
 
 
 def with_context(body: dict, chat: bool, context: Context, tokenizer) -> tuple[dict, list[int] | None]:
@@ -127,8 +165,11 @@ def with_context(body: dict, chat: bool, context: Context, tokenizer) -> tuple[d
     if not chat:
         return {**body, "prompt": text + body["prompt"]}, None
     messages = list(body["messages"])
-    if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
-        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text.rstrip()}
+    first = messages[0] if messages else {}
+    if first.get("role") == "system" and isinstance(first.get("content"), str):
+        messages[0] = {**first, "content": first["content"] + "\n\n" + text.rstrip()}
+    elif first.get("role") == "system" and isinstance(first.get("content"), list):
+        messages[0] = {**first, "content": [*first["content"], {"type": "text", "text": "\n\n" + text.rstrip()}]}
     else:
         messages.insert(0, {"role": "system", "content": text.rstrip()})
     return {**body, "messages": messages}, None
@@ -136,5 +177,18 @@ def with_context(body: dict, chat: bool, context: Context, tokenizer) -> tuple[d
 
 def token_budget(body: dict, chat: bool, prompt_tokens: int, max_model_len: int) -> int:
     """Tokens the context may take (see the module docstring)."""
-    completion = body.get("max_completion_tokens") or body.get("max_tokens") or (CHAT_RESERVE if chat else 16)
-    return max_model_len - prompt_tokens - int(completion) - (TEMPLATE_RESERVE if chat else 0)
+    return max_model_len - prompt_tokens - completion_tokens(body, chat) - (TEMPLATE_RESERVE if chat else 0)
+
+
+def completion_tokens(body: dict, chat: bool) -> int:
+    """The completion's length as the request sets it (an integer, or its digits, as vLLM accepts them)."""
+    for field in ("max_completion_tokens", "max_tokens"):
+        value = body.get(field)
+        if value is None:
+            continue
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise BodyFieldError(field, "a positive integer")
+        return value
+    return CHAT_RESERVE if chat else 16
