@@ -257,10 +257,18 @@ def test_the_compact_route_serves_what_knnlm_index_compact_makes_under_sixteen_s
     "method, route, body, message",
     [
         ("POST", "/datastores", {"name": "flat", "path": "flat", "default": "maybe"}, "default: Input should be a valid boolean"),
+        ("POST", "/datastores", {"name": "flat2", "path": "flat", "default": "yes"}, "default: Input should be a valid boolean"),
         ("PUT", "/default", {"name": 3}, "name: Input should be a valid string"),
         ("POST", "/datastores/flat/compact", {"shards": 0}, "shards: Input should be greater than 0"),
+        ("POST", "/datastores/flat/compact", {"shards": "2"}, "shards: Input should be a valid integer"),
+        (
+            "POST",
+            "/datastores/flat/documents",
+            {"texts": [{"text": "x"}], "recalibrate": "yes"},
+            "recalibrate: Input should be a valid boolean",
+        ),
     ],
-    ids=["load-default", "default-name", "compact-shards"],
+    ids=["load-default", "load-default-yes", "default-name", "compact-shards", "compact-shards-text", "add-recalibrate-yes"],
 )
 def test_admin_body_errors_are_400s_naming_the_field(server, method, route, body, message):
     response = admin(server, method, route, **body)

@@ -26,7 +26,7 @@ import asyncio
 import logging
 
 from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictBool
 
 from knnlm_core.config import KeyType
 from knnlm_core.errors import DatastoreError, ErrorKind, KnnlmError
@@ -46,7 +46,7 @@ class LoadRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     path: str  # relative to knn.datastore_root, or absolute inside it
-    default: bool = False
+    default: StrictBool = False  # JSON true or false: no "yes" for a switch of the default
     key_type: KeyType | None = None  # refuse the load unless the datastore has this key type
 
 

@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from fastapi import APIRouter, Body, Depends, HTTPException, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from knnlm_core.added_texts import ADDED_TEXTS, erase_records, is_server_copy, orphaned_records, served_records
 from knnlm_core.corpus import find_files
@@ -57,12 +57,12 @@ class AddRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     paths: list[str] = []  # files or directories below knn.datastore_root
     texts: list[AddedText] = []
-    recalibrate: bool = False
+    recalibrate: StrictBool = False
 
 
 class CompactRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    shards: int | None = Field(None, gt=0)  # default: as many as the build's shard size needs
+    shards: StrictInt | None = Field(None, gt=0)  # default: as many as the build's shard size needs
 
 
 router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"])
