@@ -48,6 +48,7 @@ from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import read_manifest
 from knnlm_core.default_model import prepare_default_model
 from knnlm_serve.eval.doc_items import FORMS, stored_hashes
+from knnlm_serve.eval.tasks import draw
 from knnlm_serve.server.process import RunningServer
 
 STDLIB_CONTROL = (
@@ -190,16 +191,14 @@ def plot(reports: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(reports), figsize=(6.2 * len(reports), 3.6), sharey=True, squeeze=False)
-    for ax, (corpus, report) in zip(axes[0], reports.items()):
+    fig, axes = plt.subplots(2, len(reports), figsize=(6.2 * len(reports), 6.4), sharex="col", sharey="row", squeeze=False)
+    for column, (corpus, report) in enumerate(reports.items()):
         summary = report["summary"]
         kinds = sorted((k for k in summary["off"] if k != "all"), key=lambda k: (k.startswith("control/"), FORMS.index(k.split("/")[-1])))
-        width = 0.8 / len(summary)
-        for n, (setting, by_kind) in enumerate(summary.items()):
-            ax.bar([k + n * width for k in range(len(kinds))], [by_kind[k]["exact_match"] for k in kinds], width, label=setting)
-        ax.set_xticks([k + width * (len(summary) - 1) / 2 for k in range(len(kinds))], kinds, rotation=25, ha="right", fontsize=8)
-        ax.set_title(f"{corpus} ({report['datastore_entries']:,} entries)")
-    axes[0][0].set_ylabel("greedy exact match")
+        draw(axes[:, column], summary, kinds)
+        axes[0][column].set_title(f"{corpus} ({report['datastore_entries']:,} entries)")
+        if column:
+            axes[0][column].set_ylabel(""), axes[1][column].set_ylabel("")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

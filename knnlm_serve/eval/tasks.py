@@ -183,20 +183,31 @@ def run_tasks(
 
 
 def plot(summary: dict, path) -> None:
-    """Exact match per kind, one bar per setting."""
+    """Per kind, one bar per setting: exact match, and the answer's log-probability gain over kNN
+    off (what shows where greedy answers never match, as a chat model's prose)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     kinds = list(next(iter(summary.values())))
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(kinds), 3.2))
-    width = 0.8 / len(summary)
-    for n, (setting, by_kind) in enumerate(summary.items()):
-        ax.bar([k + n * width for k in range(len(kinds))], [by_kind[k]["exact_match"] for k in kinds], width, label=setting)
-    ax.set_xticks([k + width * (len(summary) - 1) / 2 for k in range(len(kinds))], kinds)
-    ax.set_ylabel("greedy exact match")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(2, 1, figsize=(1.6 + 1.4 * len(kinds), 5.6), sharex=True)
+    draw(axes, summary, kinds)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def draw(axes, summary: dict, kinds: list[str]) -> None:
+    """`summary`'s bars on two axes: exact match above, mean log-probability gain over kNN off below."""
+    width = 0.8 / len(summary)
+    for n, (setting, by_kind) in enumerate(summary.items()):
+        x = [k + n * width for k in range(len(kinds))]
+        axes[0].bar(x, [by_kind[k]["exact_match"] for k in kinds], width, label=setting, color=f"C{n}")
+        axes[1].bar(x, [by_kind[k]["vs_off"]["mean_logprob_gain"] for k in kinds], width, color=f"C{n}")
+    axes[0].set_ylim(bottom=0)
+    axes[1].axhline(0, color="grey", linewidth=0.8)
+    axes[1].set_xticks([k + width * (len(summary) - 1) / 2 for k in range(len(kinds))], kinds, rotation=25, ha="right", fontsize=8)
+    axes[0].set_ylabel("greedy exact match")
+    axes[1].set_ylabel("Δ log p(answer) vs off, nats")
