@@ -41,6 +41,17 @@ def _add_config_flags(parser: argparse.ArgumentParser, model: type[BuildConfig])
 CALIBRATION_TOLERANCES = ("skip_tolerance", "k_tolerance", "ceiling_tolerance", "nprobe_tolerance")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count or size, where 0 would silently mean "the default" or nothing."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="knnlm-index", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -61,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         "texts", nargs="*", help="held-out text of the datastore's domain: files or directories; none: the slice its build held out"
     )
     calibrate.add_argument("--model", default=DEFAULT_MODEL, help='the model the datastore was built for: "default" or a directory')
-    calibrate.add_argument("--context-length", type=int, help="default: the build's")
-    calibrate.add_argument("--stride", type=int, help="default: the build's")
+    calibrate.add_argument("--context-length", type=positive_int, help="default: the build's")
+    calibrate.add_argument("--stride", type=positive_int, help="default: the build's")
     calibrate.add_argument("--text-field", default=BuildConfig().text_field, help="field holding the text in .jsonl inputs")
     for tolerance in CALIBRATION_TOLERANCES:
         calibrate.add_argument(
@@ -80,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     add.add_argument("inputs", nargs="+", help="the new documents: .txt/.md/.rst/.jsonl files (optionally .gz) or directories")
     add.add_argument("--model", default=DEFAULT_MODEL, help='the model the datastore was built for: "default" or a directory')
     add.add_argument("--text-field", default=BuildConfig().text_field, help="field holding the text in .jsonl inputs")
-    add.add_argument("--batch-size", type=int, help=f"windows per forward pass (default: {BuildConfig().batch_size})")
+    add.add_argument("--batch-size", type=positive_int, help=f"windows per forward pass (default: {BuildConfig().batch_size})")
     add.add_argument("--recalibrate", action="store_true", help="fit the calibration again on the build's held-out slice")
     add.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -99,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         "compact", help="fold added shards and forgotten documents' tombstones into a plain datastore (resumable, atomic)"
     )
     compact.add_argument("datastore")
-    compact.add_argument("--shards", type=int, help="default: as many as the build's shard size needs")
+    compact.add_argument("--shards", type=positive_int, help="default: as many as the build's shard size needs")
     compact.add_argument("--quiet", action="store_true", help="no progress bars")
 
     inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
@@ -108,8 +119,8 @@ def main(argv: list[str] | None = None) -> None:
 
     verify = commands.add_parser("verify", help="search sampled stored keys; report recall@1 and tied distances (exit 1 on a problem)")
     verify.add_argument("datastore")
-    verify.add_argument("--samples", type=int, default=1000)
-    verify.add_argument("--nprobe", type=int)
+    verify.add_argument("--samples", type=positive_int, default=1000)
+    verify.add_argument("--nprobe", type=positive_int)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO, format="knnlm-index: %(message)s")

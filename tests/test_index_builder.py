@@ -262,6 +262,24 @@ def test_bad_corpus_fails_with_one_line_and_writes_nothing(setup, extra, message
     assert not (tmp_path / "ds").exists() and not list(tmp_path.glob(".ds*"))
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["compact", "DS", "--shards", "0"],
+        ["calibrate", "DS", "--stride", "0"],
+        ["calibrate", "DS", "--context-length", "-64"],
+        ["add", "DS", "new.txt", "--batch-size", "0"],
+        ["verify", "DS", "--samples", "0"],
+    ],
+    ids=["compact-shards", "calibrate-stride", "calibrate-context", "add-batch", "verify-samples"],
+)
+def test_a_count_below_one_is_refused_naming_its_flag_before_anything_runs(args, tmp_path):
+    """0 used to mean "the default" where a flag defaults to None (`compact --shards 0` compacted)."""
+    result = knnlm_index(*[str(tmp_path / "ds") if a == "DS" else a for a in args])
+    flag = next(a for a in args if a.startswith("--"))
+    assert result.returncode == 2 and f"argument {flag}: must be a positive integer" in result.stderr, result.stderr
+
+
 def test_non_utf8_files_are_skipped_and_counted(corpus, tiny_model_dir, tmp_path):
     mixed = write_corpus(tmp_path / "mixed", ("json",))
     (mixed / "latin1.txt").write_bytes(b"caf\xe9 au lait")
