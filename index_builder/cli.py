@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from knnlm_core.config import BuildConfig, validation_message
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for
 from knnlm_core.errors import ConfigError, KnnlmError
+from knnlm_core.flags import positive_int
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, model: type[BuildConfig]) -> None:
@@ -39,17 +40,6 @@ def _add_config_flags(parser: argparse.ArgumentParser, model: type[BuildConfig])
 
 
 CALIBRATION_TOLERANCES = ("skip_tolerance", "k_tolerance", "ceiling_tolerance", "nprobe_tolerance")
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: a count or size, where 0 would silently mean "the default" or nothing."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> None:

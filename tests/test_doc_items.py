@@ -130,6 +130,17 @@ def test_the_cli_writes_items_that_tasks_reads_and_that_split_cleanly_at_the_tok
     assert json.loads(out.read_text().splitlines()[0])["kind"] == "stored-form"
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["items", "docs", "--limit", "0"], ["items", "docs", "--control-limit", "-1"], ["tasks", "items.jsonl", "--concurrency", "0"]],
+    ids=["items-limit", "items-control-limit", "tasks-concurrency"],
+)
+def test_a_count_below_one_is_refused_naming_its_flag(tmp_path, args):
+    """`--limit 0` wrote an empty items file, and `--concurrency 0` failed only once a server answered."""
+    result = subprocess.run([sys.executable, "-m", "knnlm_serve.eval.cli", *args], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 2 and f"argument {args[2]}: must be a positive integer" in result.stderr, result.stderr
+
+
 def definitions_in(directory) -> list:
     return [d for f in sorted(directory.glob("*.txt")) for d in definitions(f, f.read_text())]
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from knnlm_core.errors import KnnlmError
+from knnlm_core.flags import positive_int
 from knnlm_serve.eval.doc_items import generate_items
 from knnlm_serve.eval.task_items import read_items
 from knnlm_serve.eval.tasks import markdown, plot, run_tasks
@@ -40,8 +41,8 @@ def items_main(argv: list[str]) -> None:
         type=Path,
         help="the datastore built from DOCS: a document it does not serve (held out by the build, forgotten) joins the control",
     )
-    parser.add_argument("--limit", type=int, default=200, help="documented names to sample from the datastore's documents")
-    parser.add_argument("--control-limit", type=int, default=60, help="documented names to sample from the control documents")
+    parser.add_argument("--limit", type=positive_int, default=200, help="documented names to sample from the datastore's documents")
+    parser.add_argument("--control-limit", type=positive_int, default=60, help="documented names to sample from the control documents")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("-o", "--output", type=Path, default=Path("items.jsonl"))
     args = parser.parse_args(argv)
@@ -92,7 +93,7 @@ def tasks_main(argv: list[str]) -> None:
     parser.add_argument(
         "--chat", action="store_true", help="ask through the chat route: the prompt as the user's message, the answer as the reply"
     )
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (the server batches them)")
+    parser.add_argument("--concurrency", type=positive_int, default=8, help="requests in flight (the server batches them)")
     parser.add_argument("-o", "--output", type=Path, default=Path("knnlm-eval-tasks"), help="directory for tasks.json/.md and the plot")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="knnlm-eval: %(message)s")
