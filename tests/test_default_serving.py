@@ -161,6 +161,24 @@ def test_a_bad_knn_context_is_a_400_naming_it(default_server, value):
     assert response.status_code == 400 and "knn_context" in response.text, response.text
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_vllm_refuses_after_retrieval_names_no_passage(default_server, stream):
+    """The passages were retrieved, but vLLM refused the request (too many tokens): none was used."""
+    response = requests.post(
+        f"{default_server.base_url}/v1/completions",
+        json={
+            "model": "smollm2",
+            "prompt": "Who built the Quellin bridge?",
+            "max_tokens": 100_000,
+            "stream": stream,
+            "vllm_xargs": {"knn_datastore": "facts", "knn_context": 1},
+        },
+        timeout=60,
+    )
+    assert response.status_code == 400 and "max_tokens" in response.text, response.text
+    assert "knn_context" not in response.text, response.text
+
+
 QUESTION = {"role": "user", "content": "Who built the Quellin bridge?"}
 
 

@@ -141,13 +141,15 @@ def _with_context(state, registry, request: dict, chat: bool, count: int, name: 
 
 
 def _naming_context(send, described: dict, stream: bool):
-    """`send` with the response's JSON (or a stream's first event) given a `knn_context` field."""
+    """`send` with the response's JSON (or a stream's first event) given a `knn_context` field;
+    an error response (vLLM refused the request) is passed on as it is: no passage was used."""
     state = {"done": False, "headers": None}
     pending = []
 
     async def sending(message):
         if message["type"] == "http.response.start":
-            if stream:
+            state["done"] = message.get("status", 200) >= 400  # refused: the body is passed on as it is
+            if stream or state["done"]:
                 return await send(message)
             pending.append(message)  # its content-length changes with the body
             return None
