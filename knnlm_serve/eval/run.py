@@ -76,7 +76,14 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     text = load_eval_text(inputs, model_dir, config)
     tune, main = text.tune, next(iter(checked))
     with clock.phase("engine_start_s"):
-        llm = open_engine(model_dir, checked[main][0], config)
+        llm = open_engine(
+            model_dir,
+            [checked[main][0]],
+            k=max(config.ks),
+            max_model_len=config.context_length + 2,
+            kv_cache_gib=config.kv_cache_gib,
+            seed=config.seed,
+        )
     with clock.phase("base_pass_s"):
         log_p_lm, top_log_p = score_with_vllm(llm, text, {"knn": False}, config.progress, top=True)
     swept = _sweep_variants(variants, checked, text, log_p_lm, model_dir, config, clock)

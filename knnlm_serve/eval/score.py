@@ -22,8 +22,9 @@ from knnlm_serve.eval.text import EvalError, EvalText
 from knnlm_serve.runtime import DatastoreInfo, Runtime
 
 
-def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
-    """An offline vLLM engine serving `datastore` through the kNN plugin (in-process search).
+def open_engine(model_dir: Path, datastores: list[DatastoreInfo], *, k: int, max_model_len: int, kv_cache_gib: float, seed: int = 0):
+    """An offline vLLM engine serving `datastores` (the first is the default) through the kNN plugin,
+    with in-process search and at most `k` neighbours a row.
 
     Started as knnlm-serve starts vLLM (plugin allowlisted, our worker extension),
     then attached over vLLM's worker RPC. The environment is changed only while vLLM starts its
@@ -33,8 +34,7 @@ def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
     from knnlm_serve.engine.plugin import vllm_environment
     from knnlm_serve.engine.worker_extension import ATTACH, EXTENSION
 
-    k = max(config.ks)
-    runtime = Runtime(knn=KnnConfig(backend="local", k=k, max_k=k), datastores={datastore.name: datastore}, default=datastore.name)
+    runtime = Runtime(knn=KnnConfig(backend="local", k=k, max_k=k), datastores={d.name: d for d in datastores}, default=datastores[0].name)
     environment = vllm_environment()
     saved = {name: os.environ.get(name) for name in environment}
     os.environ.update(environment)
@@ -43,10 +43,10 @@ def open_engine(model_dir: Path, datastore: DatastoreInfo, config: EvalConfig):
             model=str(model_dir),
             dtype="float32",
             enforce_eager=True,
-            max_model_len=config.context_length + 2,
-            kv_cache_memory_bytes=int(config.kv_cache_gib * 2**30),
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=int(kv_cache_gib * 2**30),
             worker_extension_cls=EXTENSION,
-            seed=config.seed,
+            seed=seed,
         )
     finally:
         for name, value in saved.items():
