@@ -58,15 +58,19 @@ class AdmissionMiddleware:
             try:
                 request, context = _admitted(state, registry, request, scope["path"])
             except KnnlmError as e:
-                param = (
-                    e.param if isinstance(e, ctx.BodyFieldError) else f"vllm_xargs.{e.field if isinstance(e, KnnParamError) else ctx.KNOB}"
-                )
-                content = {"error": {"message": str(e), "type": "BadRequestError", "param": param, "code": STATUS[e.kind]}}
+                content = {"error": {"message": str(e), "type": "BadRequestError", "param": _param_of(e), "code": STATUS[e.kind]}}
                 return await JSONResponse(content, status_code=STATUS[e.kind])(scope, receive, send)
             body = json.dumps(request).encode()
         if context is not None:
             send = _naming_context(send, context, request.get("stream", False))
         await self.app(scope, _replay({"type": "http.request", "body": body, "more_body": False}, receive), send)
+
+
+def _param_of(e: KnnlmError) -> str:
+    """The request field an admission error names: a body field the passages could not read, or a knob."""
+    if isinstance(e, ctx.BodyFieldError):
+        return e.param
+    return f"vllm_xargs.{e.field if isinstance(e, KnnParamError) else ctx.KNOB}"
 
 
 def _knn_request(body: bytes) -> dict | None:
