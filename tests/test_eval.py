@@ -214,3 +214,26 @@ def test_evaluation_leaves_no_plugin_switch_in_the_environment(run):
     import os
 
     assert "knnlm" not in os.environ.get("VLLM_PLUGINS", "").split(",")
+
+
+def test_a_knn_error_stops_the_evaluation_instead_of_scoring_the_lm_alone(run, datastores, tiny_model_dir, tmp_path):
+    """A datastore file replaced after the checks: a server answers from the LM alone (fail-open),
+    while an evaluation must not report those rows as kNN's."""
+    import shutil
+
+    from vllm import SamplingParams
+
+    from knnlm_serve.eval.score import open_engine
+    from knnlm_serve.runtime import DatastoreInfo
+
+    shutil.copytree(datastores["flat"], tmp_path / "flat")
+    info = DatastoreInfo.of("flat", tmp_path / "flat", read_manifest(tmp_path / "flat"))
+    llm = open_engine(tiny_model_dir, [info], k=4, max_model_len=130, kv_cache_gib=0.25)
+    for index in (tmp_path / "flat").glob("shard-*/index.faiss"):
+        index.write_bytes(b"replaced")
+    params = SamplingParams(max_tokens=4, temperature=0.0, extra_args={"knn_lambda": 1.0})
+    try:
+        with pytest.raises(Exception):  # noqa: B017, PT011 - vLLM reports the engine's failure in its own types
+            llm.generate({"prompt_token_ids": [1, 504, 3000, 12]}, params, use_tqdm=False)
+    finally:
+        del llm

@@ -24,7 +24,8 @@ from knnlm_serve.runtime import DatastoreInfo, Runtime
 
 def open_engine(model_dir: Path, datastores: list[DatastoreInfo], *, k: int, max_model_len: int, kv_cache_gib: float, seed: int = 0):
     """An offline vLLM engine serving `datastores` (the first is the default) through the kNN plugin,
-    with in-process search and at most `k` neighbours a row.
+    with in-process search and at most `k` neighbours a row. Fail-closed (`fail_open: false`): an
+    error in kNN's path stops the evaluation instead of scoring rows from the LM alone as kNN's.
 
     Started as knnlm-serve starts vLLM (plugin allowlisted, our worker extension),
     then attached over vLLM's worker RPC. The environment is changed only while vLLM starts its
@@ -34,7 +35,11 @@ def open_engine(model_dir: Path, datastores: list[DatastoreInfo], *, k: int, max
     from knnlm_serve.engine.plugin import vllm_environment
     from knnlm_serve.engine.worker_extension import ATTACH, EXTENSION
 
-    runtime = Runtime(knn=KnnConfig(backend="local", k=k, max_k=k), datastores={d.name: d for d in datastores}, default=datastores[0].name)
+    runtime = Runtime(
+        knn=KnnConfig(backend="local", k=k, max_k=k, fail_open=False),
+        datastores={d.name: d for d in datastores},
+        default=datastores[0].name,
+    )
     environment = vllm_environment()
     saved = {name: os.environ.get(name) for name in environment}
     os.environ.update(environment)
