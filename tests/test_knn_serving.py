@@ -382,16 +382,18 @@ def test_speculative_decoding_serves_what_is_served_without_it(knn_server, fast_
     requests = [{}, *MIXED_REQUESTS, {"knn_datastore": "a", "knn_lambda": 1.0, "knn_pointers": 1}]
     expected = [complete(knn_server, prompt, **x) for x in requests]
     server = fast_server
-    accepted = lambda: metric_total(scrape_metrics(server.base_url), r"vllm:spec_decode_num_accepted_tokens_total")  # noqa: E731
-    before = accepted()
+    total = lambda name: metric_total(scrape_metrics(server.base_url), name)  # noqa: E731
+    accepted, fell_back = total(r"vllm:spec_decode_num_accepted_tokens_total"), total("knnlm_fallbacks_total")
     alone = [complete(server, prompt, **x) for x in requests]
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda x: complete(server, prompt, **x), requests))
-    for want, *got in zip(expected, alone, together):
-        for choice in got:
-            assert choice.token_ids == want.token_ids
-            np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4)
-    assert accepted() - before >= len(requests)  # drafts were verified and accepted, not just proposed
+    # a row served LM-only (a search past its deadline) would differ for that reason, not the drafts'
+    assert total("knnlm_fallbacks_total") == fell_back, "a kNN row was served LM-only"
+    for xargs, want, *got in zip(requests, expected, alone, together):
+        for run, choice in zip(("alone", "together"), got):
+            assert choice.token_ids == want.token_ids, f"{xargs} ({run})"
+            np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4, err_msg=f"{xargs} ({run})")
+    assert total(r"vllm:spec_decode_num_accepted_tokens_total") - accepted >= len(requests)  # drafts were verified and accepted
     np.testing.assert_allclose(  # prompt logprobs (the served-perplexity path) are the mixture's too
         prompt_logprobs(server, token_ids["b"], knn_datastore="b", knn_lambda=0.5),
         prompt_logprobs(knn_server, token_ids["b"], knn_datastore="b", knn_lambda=0.5),
