@@ -18,6 +18,7 @@ from knnlm_core.errors import DatastoreError
 from knnlm_core.keys import no_ffn_input_error, supports_ffn_input
 from knnlm_core.manifest import Calibration, Manifest, PassageIndexEntry, served_nprobe
 from knnlm_core.model_dir import architecture_of, hidden_size_of, model_fingerprint
+from knnlm_core.shard_keys import shard_keys
 from knnlm_core.tombstones import forgotten_share
 
 
@@ -80,12 +81,14 @@ class DatastoreInfo(BaseModel):
     model_config = {"frozen": True}
 
     name: str
-    version: int = 1  # bumped by every hot-swap of this name; shard actors are per version
+    version: int = 1  # bumped by every hot-swap of this name
+    actors: int = 1  # the version whose load started its shard actors (an add or forget keeps them: `shard_keys`)
     path: str
     key_type: KeyType
     nprobe: int | None
     entries: int
     shards: list[str]
+    shard_keys: list[str] = []  # per shard, what its actor holds (knnlm_core.search.shard_keys)
     index: str
     fingerprint: str
     bytes: int
@@ -102,6 +105,10 @@ class DatastoreInfo(BaseModel):
     def key(self) -> tuple[str, int]:
         return self.name, self.version
 
+    def listed(self) -> dict:
+        """What the admin API shows of it: not which actors serve it."""
+        return self.model_dump(exclude={"actors", "shard_keys"})
+
     @classmethod
     def of(cls, name: str, path: Path, manifest: Manifest) -> DatastoreInfo:
         starts = load_document_starts(Path(path), manifest)
@@ -112,6 +119,7 @@ class DatastoreInfo(BaseModel):
             nprobe=served_nprobe(manifest),
             entries=manifest.entries,
             shards=[s.name for s in manifest.shards],
+            shard_keys=shard_keys(manifest),
             index=manifest.index.factory,
             fingerprint=manifest.model.fingerprint,
             bytes=sum(f.bytes for f in manifest.files()),

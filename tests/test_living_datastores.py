@@ -29,6 +29,7 @@ from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.keys import KeyEncoder
 from knnlm_core.provenance import Provenance
 from knnlm_core.search import merge_topk, open_shards
+from knnlm_core.shard_keys import shard_keys
 
 FACT = "The vault of the lighthouse opens with the words: zebra quartz maple lantern orbit velvet."
 
@@ -78,6 +79,7 @@ def test_an_added_document_gets_new_shards_old_files_are_reused_and_it_is_found(
 
     assert [s.name for s in manifest.shards] == ["shard-000", "shard-001", "shard-002"] and record.shards == ["shard-002"]
     assert {path: (root / path).stat().st_ino for path in inodes} == inodes  # the old shard files, not rewritten
+    assert shard_keys(manifest)[:2] == shard_keys(before)  # so a server keeps their actors
     assert manifest.entries == before.entries + record.entries and manifest.calibration == before.calibration
     verify_checksums(root, manifest)
     provenance = Provenance.open(root, manifest)
@@ -100,8 +102,11 @@ def test_a_forgotten_document_is_never_found_followed_or_shown_and_rows_keep_k_n
     lo, hi = record_entries = load_document_starts(root, read_manifest(root))[-2:]
     queries = stored_keys(root, int(lo), int(hi))
     k = 64
+    keys = shard_keys(read_manifest(root))
 
     manifest, (forgotten,) = forget_documents(root, documents=[record.first_document])
+
+    assert [a == b for a, b in zip(shard_keys(manifest), keys)] == [True, True, False]  # a server keeps the others' actors
 
     assert forgotten.entries == tuple(int(x) for x in record_entries) and forgotten.sha256 == hashlib.sha256(FACT.encode()).hexdigest()
     assert FACT not in (root / "manifest.json").read_text()  # the audit record keeps which text, not the text

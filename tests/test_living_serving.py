@@ -4,6 +4,7 @@ beside it), under traffic: real server, Ray shard actors with replicas, flat and
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import subprocess
 import sys
@@ -85,14 +86,24 @@ def explained(server, name: str, **body) -> list[dict]:
     return response.json()["tokens"]
 
 
+def actor_pids(server, name: str) -> dict[tuple[str, int], int]:
+    """(shard, replica) -> the pid of the actor serving it in the serving version of `name`."""
+    shards = [s for s in admin(server, "GET", "/health").json()["shards"] if s["datastore"] == name]
+    assert all(s["status"] == "ok" for s in shards), json.dumps(shards)
+    return {(s["shard"], s["replica"]): s["pid"] for s in shards}
+
+
 @pytest.mark.parametrize("name, forget_with", [("flat", "route"), ("pq", "cli")])
 def test_an_added_fact_is_served_and_explained_then_forgotten_on_every_path(server, root, ids, name, forget_with):
     assert answer(server, ids, name) != ids["fact"]
-    before = listed(server, name)
+    before, pids = listed(server, name), actor_pids(server, name)
 
     job = add_fact(server, name, f"fact-{name}")
 
     document = job["record"]["first_document"]
+    added = actor_pids(server, name)
+    assert {shard: added[shard] for shard in pids} == pids  # the add's new version kept the old shards' actors
+    assert len(added) > len(pids)
     after = listed(server, name)
     assert after["version"] == job["version"] == before["version"] + 1
     assert after["documents"] == before["documents"] + 1 and after["last_add"] is not None
@@ -114,6 +125,11 @@ def test_an_added_fact_is_served_and_explained_then_forgotten_on_every_path(serv
         assert forgot.returncode == 0, forgot.stderr
         assert admin(server, "POST", "/datastores", name=name, path=name).status_code == 200
 
+    forgot = actor_pids(server, name)
+    if forget_with == "route":  # the fact is in the add's new shard: only its actors are new
+        assert {shard: pid == added[shard] for shard, pid in forgot.items()} == {shard: shard in pids for shard in added}
+    else:  # a load starts every actor afresh
+        assert set(forgot.values()).isdisjoint(added.values())
     gone = listed(server, name)
     assert gone["documents"] == before["documents"] and gone["forgotten"] == 1 and gone["last_forget"] is not None
     assert gone["tombstone_share"] == pytest.approx(job["record"]["entries"] / gone["entries"], abs=1e-6)
@@ -123,6 +139,13 @@ def test_an_added_fact_is_served_and_explained_then_forgotten_on_every_path(serv
     assert all(n.get("document") != document for t in scored for n in t["neighbours"])
     response = requests.get(f"{server.base_url}/v1/knn/documents/{name}/{document}", timeout=30)
     assert response.status_code == 410 and "was forgotten" in response.text
+    # the versions before are released, and the actors the serving one kept from them live on
+    until(
+        lambda: [d["status"] for d in admin(server, "GET", "/datastores").json()["datastores"] if d["name"] == name] == ["serving"],
+        60,
+        "never released",
+    )
+    assert actor_pids(server, name) == forgot and answer(server, ids, name) != ids["fact"]
 
 
 def test_sixteen_streaming_clients_through_an_add_and_a_forget_see_no_failure_and_no_mixed_answer(server, ids):

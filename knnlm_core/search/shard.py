@@ -18,6 +18,7 @@ from knnlm_core.manifest import Manifest, ShardEntry
 from knnlm_core.search.exact import flat_keys
 from knnlm_core.search.index import gpu_available, search_index
 from knnlm_core.search.ivf import is_fast_scan, ivf_centroids, ivf_of
+from knnlm_core.shard_keys import shard_first_ids
 from knnlm_core.tombstones import live_mask
 
 logger = logging.getLogger(__name__)
@@ -187,11 +188,6 @@ def _untransformed(index, vectors: np.ndarray) -> np.ndarray:
     for transform in reversed(_transforms(index)):
         vectors = transform.reverse_transform(vectors)
     return vectors
-
-
-def shard_first_ids(manifest: Manifest) -> list[int]:
-    """Each shard's first global entry id (shards hold contiguous ranges, in order)."""
-    return np.concatenate([[0], np.cumsum([s.entries for s in manifest.shards])[:-1]]).astype(int).tolist()
 
 
 def open_shards(

@@ -1,8 +1,9 @@
 """The Ray actor that holds one FAISS shard, and starting a datastore version's actors.
 
 A version's actors are named (`actor_name`), so every engine process on the cluster reaches the
-same ones, and Ray restarts a dead one under the same name. They run with their own process
-environment (`SHARD_ACTOR_ENV`, a Ray runtime_env, so it holds on any cluster).
+same ones, and Ray restarts a dead one under the same name. A version made by an add or a forget
+keeps the actors of the shards it did not change. They run with their own process environment
+(`SHARD_ACTOR_ENV`, a Ray runtime_env, so it holds on any cluster).
 """
 
 from __future__ import annotations
@@ -112,12 +113,15 @@ class ShardActor:
 
 
 def actor_name(info: DatastoreInfo, shard: str, replica: int = 0) -> str:
-    return f"{info.name}@{info.version}/{shard}" + (f"#{replica}" if replica else "")
+    """The shard's actor: one per load of the datastore (`info.actors`) and per state of the shard
+    (`info.shard_keys`), so an add or a forget reaches the actors of the shards it left unchanged."""
+    key = info.shard_keys[info.shards.index(shard)]
+    return f"{info.name}@{info.actors}/{shard}:{key}" + (f"#{replica}" if replica else "")
 
 
 def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
     """`knn.replicas` named actors per shard of this datastore version (per shard, a list of
-    replicas), loaded before this returns. Replicas of a shard are spread over the nodes that offer
+    replicas), loaded before this returns; those that exist under their names already are reused. Replicas of a shard are spread over the nodes that offer
     `knn.shard_resources`, as far as Ray can.
 
     Ray restarts a dead actor (reloading its shard) under the same name and handle, on any node

@@ -79,7 +79,7 @@ def load_datastore(raw: dict | None = Body(None), registry: DatastoreRegistry = 
         info = registry.load(body.name, path, make_default=body.default, key_type=body.key_type)
     except KnnlmError as e:  # name the path as the client sent it: the server's absolute paths are not theirs
         raise HTTPException(STATUS[e.kind], registry.public(str(e).replace(str(path), body.path))) from None
-    return {"loaded": {**info.model_dump(), "path": registry.public_path(info.path)}, "default": registry.runtime.default}
+    return {"loaded": {**info.listed(), "path": registry.public_path(info.path)}, "default": registry.runtime.default}
 
 
 @router.put("/default")

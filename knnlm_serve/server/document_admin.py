@@ -144,7 +144,7 @@ def forget_document(
     started = time.monotonic()
     try:
         _, (record,) = forget_documents(info.path, documents=[document], erase=erase)
-        loaded = registry.load(name, info.path)
+        loaded = registry.load(name, info.path, keep_actors=True)
     except KnnlmError as e:
         jobs.end(job, started, registry.public(str(e)))
         raise http_error(e, registry) from None

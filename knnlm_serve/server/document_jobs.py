@@ -85,7 +85,7 @@ def run_child_job(
         job.progress = "loading the new version"
         if registry.serving(job.datastore).path != path:
             raise KnnlmError(f"datastore {job.datastore!r} was swapped to another directory meanwhile: the new version is not loaded")
-        job.version = registry.load(job.datastore, path).version
+        job.version = registry.load(job.datastore, path, keep_actors=True).version
         job.progress = "serving"
     except Exception as e:  # noqa: BLE001 - a job reports its failure; the serving version is untouched
         logger.warning("%s on datastore %r failed: %s", job.kind, job.datastore, e)

@@ -1,10 +1,12 @@
 """The serving datastores, owned by the API-server process: load, hot-swap, unload, default.
 
 A load checks the new version completely (manifest, checksums, model fingerprint, dimension, key
-type), starts its shard actors beside the serving ones and probes them; only then is the new
-runtime pushed to every vLLM worker (through `EngineLink`, vLLM's worker RPC), which applies it
-between two steps. A replaced version is retired and its actors are killed once no worker reports
-a running request pinned to it. Any failure leaves the serving state untouched.
+type), starts its shard actors beside the serving ones (an add's or a forget's new version keeps
+the actors of the shards it left unchanged) and probes them; only then is the new runtime pushed
+to every vLLM worker (through `EngineLink`, vLLM's worker RPC), which applies it between two
+steps. A replaced version is retired and its actors are killed, but those the versions still in
+use share, once no worker reports a running request pinned to it. Any failure leaves the serving
+state untouched.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.provenance import check_served_files
 from knnlm_core.search import open_shards
 from knnlm_serve import metrics
-from knnlm_serve.retrieval import actor_name, start_shard_actors
 from knnlm_serve.runtime import DatastoreInfo, Runtime, ServedModel, check_datastore, mix_defaults
 from knnlm_serve.server.shard_health import ShardPids
+from knnlm_serve.server.version_actors import VersionActors
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -55,7 +57,7 @@ class DatastoreRegistry:
         self._unhealthy: dict[tuple[str, int], str] = {}  # version -> the error its workers stopped using it for
         self._engine: EngineLink | None = None  # connected once vLLM's workers are up
         self._model_cpus: dict[str, list[int]] = {}  # host -> CPUs vLLM's workers are bound to
-        self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
+        self._actors = VersionActors()
         self._retired: dict[tuple[str, int], tuple[DatastoreInfo, float]] = {}
         self._last_request = 0.0  # monotonic time of the last admitted request (`note_request`)
         self._versions: dict[str, int] = {}
@@ -77,7 +79,7 @@ class DatastoreRegistry:
         with self._lock:
             self._engine = engine
             self._model_cpus = model_cpus or {}
-            for actors in self._actors.values():
+            for actors in self._actors.every():
                 self._keep_off_model(actors)
 
     def _keep_off_model(self, actors: list[list]) -> None:
@@ -89,7 +91,11 @@ class DatastoreRegistry:
                     actor.keep_off.remote(self._model_cpus)
 
     # -- changes ---------------------------------------------------------------------------------
-    def load(self, name: str, path: str | Path, *, make_default: bool = False, key_type: KeyType | None = None) -> DatastoreInfo:
+    def load(
+        self, name: str, path: str | Path, *, make_default: bool = False, key_type: KeyType | None = None, keep_actors: bool = False
+    ) -> DatastoreInfo:
+        """Serve the datastore at `path` as `name`. `keep_actors` (an add's or a forget's new version
+        of the serving one): the serving version's actors serve the shards this one did not change."""
         if problem := datastore_name_problem(name):
             raise DatastoreError(problem)
         started = time.monotonic()
@@ -99,14 +105,16 @@ class DatastoreRegistry:
             info = None
             try:
                 info = self._check(name, Path(path), key_type)
+                info = info.model_copy(update={"actors": old.actors if keep_actors and old is not None else info.version})
                 if self.runtime.knn.backend == "ray":
-                    self._actors[info.key] = start_shard_actors(info, self.runtime.knn)
-                    self._keep_off_model(self._actors[info.key])
+                    if kept := self._actors.start(info, self.runtime.knn):
+                        logger.info("%s@%d: %d shard actor(s) kept from the version before", *info.key, kept)
+                    self._keep_off_model(self._actors.of(info.key))
                 self._probe(info)
                 self._publish({**self.runtime.datastores, name: info}, default)
             except DatastoreError:
                 if info is not None:
-                    self._kill(info.key)
+                    self._actors.kill(info.key)
                 metrics.SWAPS.labels(name, "rejected").inc()
                 raise
             if old is not None:
@@ -157,7 +165,7 @@ class DatastoreRegistry:
             items = [
                 (info, shard, replica, actor)
                 for info in self.runtime.datastores.values()
-                for shard, replicas in zip(info.shards, self._actors.get(info.key, []))
+                for shard, replicas in zip(info.shards, self._actors.of(info.key))
                 for replica, actor in enumerate(replicas)
             ]
         shards = self._shard_pids.check(items, self.runtime.knn.shard_timeout_s, lambda actor: self._keep_off_model([[actor]]))
@@ -209,10 +217,7 @@ class DatastoreRegistry:
             if self.runtime.knn.backend == "ray":
                 import ray
 
-                names = [
-                    actor_name(info, shard, r) for shard, replicas in zip(info.shards, self._actors[info.key]) for r in range(len(replicas))
-                ]
-                actors = [actor for replicas in self._actors[info.key] for actor in replicas]
+                names, actors = zip(*self._actors.named(info.key))
                 timeout = self.runtime.knn.shard_timeout_s
                 answers = ray.get([a.search.remote(query, 1, None) for a in actors], timeout=timeout)
                 ok = all(a[1].shape == (1, 1) for a in answers)
@@ -221,10 +226,10 @@ class DatastoreRegistry:
             else:
                 ok = all(s.search(query, 1)[1].shape == (1, 1) for s in open_shards(Path(info.path), read_manifest(info.path)))
         except Exception as e:  # noqa: BLE001 - any failure of the probe rejects the load
-            self._kill(info.key)
+            self._actors.kill(info.key)
             raise DatastoreError(f"datastore {info.name!r}: probe query failed: {type(e).__name__}: {e}") from None
         if not ok:
-            self._kill(info.key)
+            self._actors.kill(info.key)
             raise DatastoreError(f"datastore {info.name!r}: probe query returned a malformed answer")
 
     def _publish(self, datastores: dict[str, DatastoreInfo], default: str | None) -> None:
@@ -285,14 +290,7 @@ class DatastoreRegistry:
             for key, (_, retired_at) in list(self._retired.items()):
                 if key not in in_use and now - retired_at > RELEASE_GRACE_S:
                     del self._retired[key]
-                    self._kill(key)
-
-    def _kill(self, key: tuple[str, int]) -> None:
-        import ray
-
-        for replicas in self._actors.pop(key, []):
-            for actor in replicas:
-                ray.kill(actor, no_restart=True)
+                    self._actors.kill(key)
 
     def _describe(self, info: DatastoreInfo, status: str) -> dict:
-        return {**info.model_dump(), "path": self.public_path(info.path), "status": status, **self._health(info)}
+        return {**info.listed(), "path": self.public_path(info.path), "status": status, **self._health(info)}
