@@ -114,7 +114,7 @@ class DatastoreRegistry:
                 self._publish({**self.runtime.datastores, name: info}, default)
             except DatastoreError:
                 if info is not None:
-                    self._actors.kill(info.key)
+                    self._shard_pids.forget(self._actors.kill(info.key))
                 metrics.SWAPS.labels(name, "rejected").inc()
                 raise
             if old is not None:
@@ -226,10 +226,10 @@ class DatastoreRegistry:
             else:
                 ok = all(s.search(query, 1)[1].shape == (1, 1) for s in open_shards(Path(info.path), read_manifest(info.path)))
         except Exception as e:  # noqa: BLE001 - any failure of the probe rejects the load
-            self._actors.kill(info.key)
+            self._shard_pids.forget(self._actors.kill(info.key))
             raise DatastoreError(f"datastore {info.name!r}: probe query failed: {type(e).__name__}: {e}") from None
         if not ok:
-            self._actors.kill(info.key)
+            self._shard_pids.forget(self._actors.kill(info.key))
             raise DatastoreError(f"datastore {info.name!r}: probe query returned a malformed answer")
 
     def _publish(self, datastores: dict[str, DatastoreInfo], default: str | None) -> None:
@@ -290,7 +290,7 @@ class DatastoreRegistry:
             for key, (_, retired_at) in list(self._retired.items()):
                 if key not in in_use and now - retired_at > RELEASE_GRACE_S:
                     del self._retired[key]
-                    self._actors.kill(key)
+                    self._shard_pids.forget(self._actors.kill(key))
 
     def _describe(self, info: DatastoreInfo, status: str) -> dict:
         return {**info.listed(), "path": self.public_path(info.path), "status": status, **self._health(info)}

@@ -14,6 +14,11 @@ class ShardPids:
     def remember(self, name: str, pid: int) -> None:
         self._pids[name] = pid
 
+    def forget(self, names: list[str]) -> None:
+        """Killed actors: a name that comes back is a new actor, not a restart."""
+        for name in names:
+            self._pids.pop(name, None)
+
     def check(self, items: list[tuple], timeout: float, on_restart) -> list[dict]:
         """Each (info, shard, replica, actor)'s status within `timeout` seconds, counting restarts
         and handing each restarted actor to `on_restart`."""

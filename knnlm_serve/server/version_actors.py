@@ -39,12 +39,13 @@ class VersionActors:
     def every(self) -> list[list[list]]:
         return [self.of(key) for key in self._names]
 
-    def kill(self, key: Key) -> None:
-        """Forget this version's actors and kill those no other version holds."""
+    def kill(self, key: Key) -> list[str]:
+        """Forget this version's actors and kill those no other version holds; their names."""
         import ray
 
         names = [name for replicas in self._names.pop(key, []) for name in replicas]
         shared = {name for versions in self._names.values() for replicas in versions for name in replicas}
-        for name in names:
-            if name not in shared and (actor := self._held.pop(name, None)) is not None:
-                ray.kill(actor, no_restart=True)
+        killed = [name for name in names if name not in shared and name in self._held]
+        for name in killed:
+            ray.kill(self._held.pop(name), no_restart=True)
+        return killed
