@@ -30,13 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from run_record import run_record  # noqa: E402
-from tombstones import DIM, with_documents  # noqa: E402
+from tombstones import SERVED, synthetic_stores  # noqa: E402
 
-from index_builder.build import build_from_keys  # noqa: E402
 from index_builder.forget import forget_documents  # noqa: E402
-from knnlm_core.config import BuildConfig, KnnConfig  # noqa: E402
-from knnlm_core.manifest import ModelIdentity  # noqa: E402
-from knnlm_serve.runtime import ServedModel  # noqa: E402
+from knnlm_core.config import KnnConfig  # noqa: E402
 from knnlm_serve.server.registry import DatastoreRegistry  # noqa: E402
 
 
@@ -73,29 +70,9 @@ def main() -> None:
     import ray
 
     ray.init(include_dashboard=False, log_to_driver=False)
-    args.work.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    keys = np.lib.format.open_memmap(args.work / "keys.npy", mode="w+", dtype=np.float16, shape=(args.entries, DIM))
-    for start in range(0, args.entries, 100_000):
-        keys[start : start + 100_000] = rng.standard_normal((min(100_000, args.entries - start), DIM))
-    values = rng.integers(0, 49_152, args.entries).astype(np.int32)
-    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=DIM, vocab_size=49_152, dtype="float32")
-    served = ServedModel(Path("synthetic"), "LlamaForCausalLM", "-", DIM, True)
     report = {**record, "entries": args.entries, "shards": 4, "repeats": args.repeats, "stores": {}}
-    for name, factory in (("flat", "Flat"), ("fast_scan", "IVF1024,PQ144x4fs")):
-        root = args.work / name
-        build_from_keys(
-            keys,
-            values,
-            root,
-            model,
-            BuildConfig(index=factory, shards=4, train_sample=65_536),
-            source="synthetic",
-            overwrite=True,
-            progress=False,
-        )
-        with_documents(root, args.entries)
-        registry = DatastoreRegistry(KnnConfig(), served, None)
+    for name, factory, root in synthetic_stores(args.work, args.entries):
+        registry = DatastoreRegistry(KnnConfig(), SERVED, None)
         registry.connect(NoWorkers())
         started = time.monotonic()
         registry.load(name, root)

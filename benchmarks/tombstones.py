@@ -43,6 +43,7 @@ from knnlm_serve.runtime import ServedModel  # noqa: E402
 from knnlm_serve.server.registry import DatastoreRegistry  # noqa: E402
 
 DIM, DOCUMENT = 576, 1000
+SERVED = ServedModel(Path("synthetic"), "LlamaForCausalLM", "-", DIM, True)  # what serves the synthetic stores
 SHARES = (0.01, 0.05, 0.1, 0.3, 0.5)
 
 
@@ -60,6 +61,24 @@ def with_documents(root: Path, entries: int) -> None:
             update={"documents": file_entry(root, root / "documents.npy"), "provenance": file_entry(root, root / PROVENANCE)}
         ),
     )
+
+
+def synthetic_stores(work: Path, entries: int):
+    """Build each store in `work` in turn, from the same Gaussian keys (4 shards, documents of
+    DOCUMENT entries); yield (name, index factory, directory) once it is built."""
+    work.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    keys = np.lib.format.open_memmap(work / "keys.npy", mode="w+", dtype=np.float16, shape=(entries, DIM))
+    for start in range(0, entries, 100_000):
+        keys[start : start + 100_000] = rng.standard_normal((min(100_000, entries - start), DIM))
+    values = rng.integers(0, 49_152, entries).astype(np.int32)
+    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=DIM, vocab_size=49_152, dtype="float32")
+    for name, factory in (("flat", "Flat"), ("fast_scan", "IVF1024,PQ144x4fs")):
+        root = work / name
+        config = BuildConfig(index=factory, shards=4, train_sample=65_536)
+        build_from_keys(keys, values, root, model, config, source="synthetic", overwrite=True, progress=False)
+        with_documents(root, entries)
+        yield name, factory, root
 
 
 def timed(fn, *args, **kwargs) -> float:
@@ -106,27 +125,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tombstones.json")
     args = parser.parse_args()
     record = run_record("tombstones")  # the commit whose code runs, whatever is committed meanwhile
-    args.work.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    keys = np.lib.format.open_memmap(args.work / "keys.npy", mode="w+", dtype=np.float16, shape=(args.entries, DIM))
-    for start in range(0, args.entries, 100_000):
-        keys[start : start + 100_000] = rng.standard_normal((min(100_000, args.entries - start), DIM))
-    values = rng.integers(0, 49_152, args.entries).astype(np.int32)
-    model = ModelIdentity(name="synthetic", fingerprint="-", hidden_size=DIM, vocab_size=49_152, dtype="float32")
-    served = ServedModel(Path("synthetic"), "LlamaForCausalLM", "-", DIM, True)
 
     report = {
         **record,
         "entries": args.entries,
         "stores": {},
     }
-    for name, factory in (("flat", "Flat"), ("fast_scan", "IVF1024,PQ144x4fs")):
-        root = args.work / name
-        config = BuildConfig(index=factory, shards=4, train_sample=65_536)
-        build_from_keys(keys, values, root, model, config, source="synthetic", overwrite=True, progress=False)
-        with_documents(root, args.entries)
+    for name, factory, root in synthetic_stores(args.work, args.entries):
         document = args.entries // DOCUMENT // 10  # in shard-000 (the first quarter)
-        registry = DatastoreRegistry(KnnConfig(backend="local"), served, None)
+        registry = DatastoreRegistry(KnnConfig(backend="local"), SERVED, None)
         first_load = timed(registry.load, name, root)
         forget = timed(forget_documents, root, documents=[document])
         reload = timed(registry.load, name, root)
