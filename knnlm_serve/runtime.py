@@ -88,7 +88,7 @@ class DatastoreInfo(BaseModel):
     nprobe: int | None
     entries: int
     shards: list[str]
-    shard_keys: list[str] = []  # per shard, what its actor holds (knnlm_core.search.shard_keys)
+    shard_keys: list[str] = []  # per shard, what its actor holds (knnlm_core.shard_keys)
     index: str
     fingerprint: str
     bytes: int

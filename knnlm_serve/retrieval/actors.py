@@ -121,8 +121,8 @@ def actor_name(info: DatastoreInfo, shard: str, replica: int = 0) -> str:
 
 def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
     """`knn.replicas` named actors per shard of this datastore version (per shard, a list of
-    replicas), loaded before this returns; those that exist under their names already are reused. Replicas of a shard are spread over the nodes that offer
-    `knn.shard_resources`, as far as Ray can.
+    replicas), loaded before this returns; those that exist under their names already are reused.
+    Replicas of a shard are spread over the nodes that offer `knn.shard_resources`, as far as Ray can.
 
     Ray restarts a dead actor (reloading its shard) under the same name and handle, on any node
     with the actor's resources, when one is or becomes available."""
