@@ -61,9 +61,15 @@ def prepare_default_datastore(model_dir: Path) -> Path:
     out = cache_dir() / "datastores" / f"pydocs-r{RECIPE}-{model_fingerprint(model_dir)}"
     if (out / MANIFEST).exists():
         return out
-    logger.info("building the default datastore (Python standard-library docs) at %s", out)
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, text in module_documents().items():
-            (Path(tmp) / f"{name}.txt").write_text(text)
-        build_datastore([tmp], out, model_dir, BuildConfig(index="flat"))
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(out.with_name(f".{out.name}.lock")):  # one build at a time: a second caller waits for it
+        if (out / MANIFEST).exists():
+            return out
+        logger.info("building the default datastore (Python standard-library docs) at %s", out)
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, text in module_documents().items():
+                (Path(tmp) / f"{name}.txt").write_text(text)
+            build_datastore([tmp], out, model_dir, BuildConfig(index="flat"))
     return out
