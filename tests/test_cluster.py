@@ -5,6 +5,9 @@ replicas on both nodes, where losing a node costs no fallback."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -91,6 +94,16 @@ def fallbacks(server) -> float:
 
 def complete(server, ids) -> list[int]:
     return greedy(server, ids["prompt"], CONTINUATION).token_ids
+
+
+def test_a_server_without_a_ray_address_starts_its_own_ray_beside_a_running_cluster(cluster):
+    # ray.init's own default joins a cluster started on the machine; a server would then share its
+    # actor names (and die with it). The launcher's choice, made in a fresh process as a server makes it.
+    start = "import ray; from knnlm_serve.server.launcher import ray_init_address as a; ray.init(address=a(None)); print(ray.get_runtime_context().gcs_address)"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    joined = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, env=env, timeout=180)
+    assert joined.returncode == 0, joined.stderr[-2000:]
+    assert joined.stdout.split()[-1] != cluster["cluster"].address
 
 
 def test_shards_live_on_the_node_with_their_resource(server, cluster, ids):

@@ -36,6 +36,13 @@ DEFAULT_DATASTORE = "default"
 V2_ONLY_FLAGS = ("--watermark-config",)  # vLLM options that switch its Model Runner V2 on whatever the environment says
 
 
+def ray_init_address(configured: str | None) -> str:
+    """Where the shards' Ray runs: `knn.ray_address`, else the cluster a Ray job runs in
+    (RAY_ADDRESS), else a new local one. ray.init's own default would join any cluster already
+    started on this machine (`ray start`, another program's), sharing its actor names."""
+    return configured or os.environ.get("RAY_ADDRESS") or "local"
+
+
 def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
     argv = [
         "--model",
@@ -98,7 +105,12 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         # At exit Ray's driver waits for its task events (the dashboard's task history) to reach the
         # GCS, for up to 5 s by default; this server runs no dashboard, and a stopping server should stop.
         os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "200")
-        ray.init(address=config.knn.ray_address, namespace=config.knn.ray_namespace, include_dashboard=False, log_to_driver=False)
+        ray.init(
+            address=ray_init_address(config.knn.ray_address),
+            namespace=config.knn.ray_namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
         ray_address = ray.get_runtime_context().gcs_address
     registry = DatastoreRegistry(config.knn, model, ray_address)
     atexit.register(registry.close)  # runs before ray.init's own exit handler (last in, first out)
