@@ -112,7 +112,7 @@ class DatastoreRegistry:
                     self._keep_off_model(self._actors.of(info.key))
                 self._probe(info)
                 self._publish({**self.runtime.datastores, name: info}, default)
-            except DatastoreError:
+            except Exception:  # a check, an actor start, the probe or the workers' RPC (a timeout too): undo, raise as it came
                 if info is not None:
                     self._shard_pids.forget(self._actors.kill(info.key))
                 metrics.SWAPS.labels(name, "rejected").inc()
