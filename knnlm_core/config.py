@@ -129,7 +129,7 @@ class KnnConfig(_Strict):
     )
     nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's calibrated nprobe, else its build's")
     backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")
-    ray_address: str | None = Field(None, description="join this Ray cluster; default: RAY_ADDRESS if set (a Ray job), else start a local one")
+    ray_address: str | None = Field(None, description="join this Ray cluster; default: RAY_ADDRESS (a Ray job's), else a new local one")
     ray_namespace: str = "knnlm"
     shard_timeout_s: float = Field(10.0, gt=0, description="a step waits this long for a shard before leaving it out")
     on_shard_failure: Literal["partial", "lm_only"] = Field(
