@@ -8,6 +8,7 @@ them), hot-swap and shard-kill events in the middle of a run, and the plots.
 
     python loadtest/run.py                          # standard scenario, starts its own server
     python loadtest/run.py --base-url http://host:8000 --admin-token T   # target a running server
+                                                    # (its shard kill goes through Ray: set RAY_ADDRESS to its cluster)
     python loadtest/run.py ... --record default     # also replace the tracked report loadtest/results/default/
     python loadtest/run.py --draft-tokens 4         # kNN-on runs with datastore drafts (speculative decoding)
     python loadtest/run.py --prompts questions.jsonl --knn-xargs '{"knn": false, "knn_context": 1}'
@@ -198,7 +199,7 @@ def main() -> None:
                 )
             )
         if args.kill_shard:
-            events.append(({"event": "shard-kill"}, lambda: kill_one_shard(base_url, args.admin_token)))
+            events.append(({"event": "shard-kill"}, lambda: kill_one_shard(base_url, args.admin_token, not args.base_url)))
         for record, action in events:
             thread = during(1.0, action, record)
             run(f"{record['event']}-c{c}", True, concurrency=c, prompts=4 * c)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import threading
 import time
 import urllib.error
@@ -40,10 +42,17 @@ def during(delay_s: float, action, record: dict) -> threading.Thread:
     return thread
 
 
-def kill_one_shard(base_url: str, token: str) -> None:
+def kill_one_shard(base_url: str, token: str, started_here: bool) -> None:
+    """One shard actor's process ends as in a crash; Ray restarts it. A server this load test
+    started runs its actors on this machine, in a Ray cluster of its own: its pid is killed.
+    Another server's actor is killed through the Ray cluster RAY_ADDRESS names (else the last one
+    started on this machine)."""
+    health = admin(base_url, token, "GET", "/health")
+    if started_here:
+        os.kill(health["shards"][0]["pid"], signal.SIGKILL)
+        return
     import ray
 
-    health = admin(base_url, token, "GET", "/health")
     actor = health["shards"][0]["actor"]
     ray.init(address="auto", namespace="knnlm", log_to_driver=False)
     try:
