@@ -101,9 +101,9 @@ def test_a_server_without_a_ray_address_starts_its_own_ray_beside_a_running_clus
     # actor names (and die with it). The launcher's choice, made in a fresh process as a server makes it.
     start = "import ray; from knnlm_serve.server.launcher import ray_init_address as a; ray.init(address=a(None)); print(ray.get_runtime_context().gcs_address)"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    joined = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, env=env, timeout=180)
-    assert joined.returncode == 0, joined.stderr[-2000:]
-    assert joined.stdout.split()[-1] != cluster["cluster"].address
+    started = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, env=env, timeout=180)
+    assert started.returncode == 0, started.stderr[-2000:]
+    assert started.stdout.split()[-1] != cluster["cluster"].address
 
 
 def test_shards_live_on_the_node_with_their_resource(server, cluster, ids):
