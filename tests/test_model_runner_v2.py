@@ -33,6 +33,7 @@ TEXTS = {
 }
 TOKEN = "v2-admin-token"
 CONTINUATION = 10
+SWAP_TOKENS = 4  # the streams of the hot-swap test: the two texts differ from the first token
 
 # Each case: (what a user would call it, the request's vllm_xargs).
 CASES = {
@@ -174,17 +175,19 @@ def test_explanations_on_v2_are_complete_and_equal_v1s(on_v1, on_v2, kind):
 
 
 def test_a_hot_swap_mid_stream_keeps_each_request_on_its_version(server, ids):
+    a, b = ids["a"][:SWAP_TOKENS], ids["b"][:SWAP_TOKENS]
+
     def swap_to_b_and_back():
-        for path in ("b", "a"):
+        for path, expected in (("b", b), ("a", a)):
             time.sleep(1)
             assert admin(server, "POST", "/datastores", name="main", path=path).status_code == 200
-            until(lambda p=path: greedy(server, ids["prompt"], CONTINUATION, knn_lambda=1.0).token_ids == ids[p], 120, "never swapped")
+            until(lambda e=expected: greedy(server, ids["prompt"], SWAP_TOKENS, knn_lambda=1.0).token_ids == e, 120, "never swapped")
         time.sleep(1)
 
-    results, errors = stream_while(server, ids["prompt"], CONTINUATION, swap_to_b_and_back, clients=4, xargs={"knn_lambda": 1.0})
+    results, errors = stream_while(server, ids["prompt"], SWAP_TOKENS, swap_to_b_and_back, clients=4, xargs={"knn_lambda": 1.0})
     assert errors == [] and results
-    assert [r for r in results if r not in (ids["a"], ids["b"])] == []  # no response mixes two versions
-    assert ids["a"] in results and ids["b"] in results
+    assert [r for r in results if r not in (a, b)] == []  # no response mixes two versions
+    assert a in results and b in results
 
 
 def test_an_injected_fault_is_served_lm_only_and_marks_the_datastore_unhealthy(server, root, ids):
