@@ -24,14 +24,14 @@ from tqdm import tqdm
 
 import knnlm_core
 from index_builder.calibrate import calibrate_on
-from index_builder.faiss_index import DEFAULT_NPROBE, index_factory_string
+from index_builder.faiss_index import DEFAULT_NPROBE, checked_factory_string
 from index_builder.passages import build_passages
 from index_builder.shards import add_shards, train_once
 from index_builder.versions import prepare_workdir, publish, workdir
 from knnlm_core.config import BuildConfig, KeyType
 from knnlm_core.corpus import doc_offsets, find_files, iter_documents, token_ids
 from knnlm_core.datastore import file_entry, write_manifest
-from knnlm_core.errors import CorpusError, DatastoreError, ModelError
+from knnlm_core.errors import ConfigError, CorpusError, DatastoreError, ModelError
 from knnlm_core.files import write_json_atomic
 from knnlm_core.heldout import MIN_HELDOUT_TOKENS, split_heldout
 from knnlm_core.keys import KeyEncoder, encode_windows
@@ -81,7 +81,8 @@ def build_datastore(
             if config.shards > plan.entries:
                 raise CorpusError(f"--shards {config.shards} is more than the {plan.entries} entries of this corpus")
             encoder = KeyEncoder(model_dir, config.key_type, config.dtype)
-        except (CorpusError, ModelError):
+            checked_factory_string(config.index, plan.entries, encoder.dim, config.pca_dim)
+        except (ConfigError, CorpusError, ModelError):
             shutil.rmtree(work)
             raise
         encode_rate = encode_keys(work, tokens, plan, encoder, config, progress)
@@ -177,7 +178,7 @@ def _index_keys(
     progress: bool,
 ) -> Manifest:
     """Train the quantizer and add the shards (each phase resumable in `work`); the manifest to write."""
-    factory = index_factory_string(config.index, len(keys), keys.shape[1], config.pca_dim)
+    factory = checked_factory_string(config.index, len(keys), keys.shape[1], config.pca_dim)
     train_size = train_once(work, keys, factory, config, progress)
     shards = add_shards(work, keys, values, work / "trained.faiss", config.shards, config.keep_keys, progress)
     if not (work / QUANTIZER).exists():  # kept: `knnlm-index add` puts new entries in copies of it

@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
                 sys.exit("\n".join(f"knnlm-index: {args.datastore}: {problem}" for problem in report["problems"]))
     except KnnlmError as e:
         sys.exit(f"knnlm-index: error: {e}")
+    except OSError as e:  # a path that cannot be made or read (a missing parent, permissions, a full disk)
+        sys.exit(f"knnlm-index: error: {e.strerror or e}: {e.filename or 'a file'}")
 
 
 if __name__ == "__main__":

@@ -24,15 +24,27 @@ from index_builder.passages import kept_passages
 from index_builder.shards import add_shards
 from index_builder.versions import prepare_workdir, publish, replace_array, workdir
 from knnlm_core.datastore import file_entry, load_document_starts, read_manifest, write_manifest
-from knnlm_core.errors import DatastoreError
+from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.manifest import MANIFEST, QUANTIZER, CompactRecord, Manifest
 from knnlm_core.provenance import PROVENANCE, DocumentTable
 from knnlm_core.search import open_shards
-from knnlm_core.tombstones import forgotten_share
+from knnlm_core.tombstones import forgotten_entries, forgotten_share
 
 logger = logging.getLogger("index_builder")
 
 READ_BATCH = 65_536
+
+
+def check_compactable(manifest: Manifest, name: str, shards: int | None) -> None:
+    """Refuse, before any work, a compact that could only fail or make empty shards (the admin
+    route asks this before it starts the job, and answers the request with it)."""
+    live = manifest.entries - forgotten_entries(manifest)
+    if shards is not None and shards > live:
+        raise DatastoreError(
+            f"shards: {shards} is more than the {live:,} entries {name} keeps after compacting: give at most {live}", ErrorKind.MALFORMED
+        )
+    if not manifest.forgotten and not manifest.additions:
+        raise DatastoreError(f"datastore {name} has no added shards and no forgotten documents: it is already compact")
 
 
 def compact_datastore(path: str | Path, shards: int | None = None, progress: bool = True) -> Manifest:
@@ -41,8 +53,7 @@ def compact_datastore(path: str | Path, shards: int | None = None, progress: boo
     started = time.monotonic()
     root = Path(path).resolve()
     manifest = read_manifest(root)
-    if not manifest.forgotten and not manifest.additions:
-        raise DatastoreError(f"datastore {root.name} has no added shards and no forgotten documents: it is already compact")
+    check_compactable(manifest, root.name, shards)
     work = workdir(root)
     prepare_workdir(work, {"job": "compact", "base": manifest.checksum, "shards": shards})
     if not (work / MANIFEST).exists():

@@ -55,6 +55,20 @@ def index_factory_string(preset: str, entries: int, dim: int, pca_dim: int | Non
     return preset  # a FAISS factory string given verbatim
 
 
+def checked_factory_string(preset: str, entries: int, dim: int, pca_dim: int | None = None) -> str:
+    """index_factory_string, refused before any key is encoded where FAISS cannot make that index."""
+    factory = index_factory_string(preset, entries, dim, pca_dim)
+    try:
+        faiss.index_factory(dim, factory, faiss.METRIC_L2)
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[-1].rsplit(": ", 1)[-1]
+        raise ConfigError(
+            f"index: FAISS cannot make {factory!r} for {dim}-dimensional keys ({reason}); "
+            f"use one of {', '.join(PRESETS)} or a FAISS factory string such as IVF1024,PQ8"
+        ) from None
+    return factory
+
+
 def needs_training(factory: str, dim: int) -> bool:
     return not faiss.index_factory(dim, factory, faiss.METRIC_L2).is_trained
 

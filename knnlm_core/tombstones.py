@@ -24,7 +24,11 @@ def live_mask(manifest: Manifest, first_id: int, entries: int) -> np.ndarray | N
     return mask
 
 
+def forgotten_entries(manifest: Manifest) -> int:
+    """How many of the datastore's entries are tombstones."""
+    return sum(r.entries[1] - r.entries[0] for r in manifest.forgotten)
+
+
 def forgotten_share(manifest: Manifest) -> float:
     """The share of the datastore's entries that are tombstones."""
-    masked = sum(r.entries[1] - r.entries[0] for r in manifest.forgotten)
-    return masked / manifest.entries if manifest.entries else 0.0
+    return forgotten_entries(manifest) / manifest.entries if manifest.entries else 0.0

@@ -263,6 +263,30 @@ def test_bad_corpus_fails_with_one_line_and_writes_nothing(setup, extra, message
 
 
 @pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--index", "bogus"], "index: FAISS cannot make 'bogus' for 64-dimensional keys (could not parse index string bogus)"),
+        (["--index", "IVF4,PQ7"], "index: FAISS cannot make 'IVF4,PQ7' for 64-dimensional keys"),
+        (["--pca-dim", "64"], "--pca-dim 64 must be below the key dimension 64"),
+    ],
+    ids=["unknown-index", "pq-not-dividing-the-dimension", "pca-not-reducing"],
+)
+def test_an_index_faiss_cannot_make_fails_before_any_key_is_encoded_and_writes_nothing(flags, message, tiny_model_dir, tmp_path):
+    (tmp_path / "in.txt").write_text("The lighthouse keeper counted the ships that passed the northern cape. " * 20)
+    result = knnlm_index("build", str(tmp_path / "in.txt"), "-o", str(tmp_path / "ds"), "--model", str(tiny_model_dir), *flags)
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("knnlm-index: error:")
+    assert not (tmp_path / "ds").exists() and not list(tmp_path.glob(".ds*"))
+
+
+def test_an_output_that_cannot_be_made_is_one_line_naming_it(tiny_model_dir, tmp_path):
+    (tmp_path / "in.txt").write_text("A short text.")
+    result = knnlm_index("build", str(tmp_path / "in.txt"), "-o", str(tmp_path / "in.txt" / "ds"), "--model", str(tiny_model_dir))
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == f"knnlm-index: error: Not a directory: {tmp_path / 'in.txt' / '.ds.partial'}"
+
+
+@pytest.mark.parametrize(
     "args",
     [
         ["compact", "DS", "--shards", "0"],

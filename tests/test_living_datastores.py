@@ -218,6 +218,20 @@ def test_forgetting_a_document_twice_says_when_and_a_forgotten_document_can_stil
     assert verify_datastore(root, samples=100)["problems"] == []
 
 
+def test_a_compact_into_more_shards_than_entries_left_is_refused_naming_shards_and_changes_nothing(corpus, tiny_model_dir, tmp_path):
+    root = build(corpus, tiny_model_dir, tmp_path / "ds")
+    forget_documents(root, documents=[0])
+    manifest = read_manifest(root)
+    live = manifest.entries - (manifest.forgotten[0].entries[1] - manifest.forgotten[0].entries[0])
+    before, siblings = digest(root), sorted(tmp_path.iterdir())
+
+    result = knnlm_index("compact", str(root), "--shards", str(live + 1), "--quiet")
+
+    assert result.returncode == 1 and f"shards: {live + 1} is more than the {live:,} entries" in result.stderr, result.stderr
+    assert f"give at most {live}" in result.stderr
+    assert digest(root) == before and sorted(tmp_path.iterdir()) == siblings
+
+
 @pytest.mark.parametrize("index", ["flat", "ivfpq"])
 def test_compact_folds_added_shards_and_tombstones_into_a_plain_store_that_answers_the_same(index, corpus, fact, tiny_model_dir, tmp_path):
     root = build(corpus, tiny_model_dir, tmp_path / "ds", index=index)

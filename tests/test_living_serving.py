@@ -284,6 +284,7 @@ def test_the_compact_route_serves_what_knnlm_index_compact_makes_under_sixteen_s
         ("PUT", "/default", {"name": 3}, "name: Input should be a valid string"),
         ("POST", "/datastores/flat/compact", {"shards": 0}, "shards: Input should be greater than 0"),
         ("POST", "/datastores/flat/compact", {"shards": "2"}, "shards: Input should be a valid integer"),
+        ("POST", "/datastores/flat/compact", {"shards": 10**6}, "shards: 1000000 is more than the"),
         (
             "POST",
             "/datastores/flat/documents",
@@ -291,7 +292,15 @@ def test_the_compact_route_serves_what_knnlm_index_compact_makes_under_sixteen_s
             "recalibrate: Input should be a valid boolean",
         ),
     ],
-    ids=["load-default", "load-default-yes", "default-name", "compact-shards", "compact-shards-text", "add-recalibrate-yes"],
+    ids=[
+        "load-default",
+        "load-default-yes",
+        "default-name",
+        "compact-shards",
+        "compact-shards-text",
+        "compact-shards-beyond-entries",
+        "add-recalibrate-yes",
+    ],
 )
 def test_admin_body_errors_are_400s_naming_the_field(server, method, route, body, message):
     response = admin(server, method, route, **body)

@@ -108,10 +108,13 @@ def add_documents(
 
 @router.post("/datastores/{name}/compact", status_code=202)
 def compact(name: str, request: Request, raw: dict | None = Body(None), registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
+    from index_builder.compact import check_compactable
+
     jobs = _jobs(request)
     try:
         body = parse_body(CompactRequest, raw)
         info = registry.serving(name)
+        check_compactable(read_manifest(Path(info.path)), name, body.shards)
         job = jobs.begin(name, "compact")
     except KnnlmError as e:
         raise http_error(e, registry) from None
