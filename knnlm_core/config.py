@@ -245,7 +245,12 @@ def load_serve_config(path: str | Path | None, **overrides) -> ServeConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of settings at the top level")
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -190,7 +190,7 @@ def started(tiny_model_dir, datastore, work) -> str:
 
 def test_a_configured_datastore_with_a_bad_manifest_is_refused_before_ray_and_vllm_start(tiny_model_dir, root, tmp_path):
     log = started(tiny_model_dir, root / "calibration-range", tmp_path)
-    assert "knnlm-serve: error:" in log and "calibration.lambda" in log
+    assert "knnlm-serve: error: knn.datastores.a: " in log and "calibration.lambda" in log  # the config's field
     assert "Started a local Ray instance" not in log and "Initializing a V1 LLM engine" not in log
 
 

@@ -97,7 +97,10 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     model = ServedModel.inspect(model_dir)
     for name, path in config.knn.datastores.items():  # a wrong path or model is refused before Ray and vLLM start
         if path != DEFAULT_DATASTORE:
-            check_datastore(name, path, model)
+            try:
+                check_datastore(name, path, model)
+            except KnnlmError as e:
+                raise type(e)(f"knn.datastores.{name}: {e}", e.kind) from None
     ray_address = None
     if config.knn.backend == "ray":
         import ray
@@ -194,10 +197,9 @@ def cuda_graph_flags(config: ServeConfig, cuda: bool) -> list[str]:
 
 @contextmanager
 def port_held(host: str, port: int) -> Iterator[None]:
-    """Hold the server's port while Ray starts. Ray's services take free ports as they start, and
-    the kernel may hand out ours, which then answers our clients until vLLM fails to bind it
-    (vLLM binds before its own engine starts for the same reason: vllm-project/vllm#8204). The
-    shard actors started later listen in Ray's worker port range."""
+    """Hold the server's port while Ray starts. Ray's services take free ports as they start, and the kernel may
+    hand out ours, which then answers our clients until vLLM fails to bind it (vLLM binds before its own engine
+    starts for the same reason: vllm-project/vllm#8204). The shard actors later listen in Ray's worker port range."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as held:
         held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
