@@ -12,7 +12,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from knnlm_core.config import BuildConfig, validation_message
+from knnlm_core.config import BuildConfig
+from knnlm_core.config_file import validation_message
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for
 from knnlm_core.errors import ConfigError, KnnlmError
 from knnlm_core.flags import positive_int

@@ -9,13 +9,9 @@ their flags onto these models. A process gets its settings by one route: the lau
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
-from knnlm_core.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 KeyType = Literal["final", "ffn_input"]
 DATASTORE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # a whole name: it appears in routes, actor names and metric labels
@@ -237,33 +233,6 @@ class ServeConfig(_Strict):
     enforce_eager: bool = Field(False, description="skip torch.compile: faster start, slower decode")
     vllm_args: list[str] = Field(default_factory=list, description="extra vLLM server flags, passed through verbatim")
     knn: KnnConfig = Field(default_factory=KnnConfig)
-
-
-def load_serve_config(path: str | Path | None, **overrides) -> ServeConfig:
-    data = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of settings at the top level")
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return ServeConfig(**data)
-    except ValidationError as e:
-        where = f"{path}: " if path else ""
-        raise ConfigError(f"{where}invalid configuration: {validation_message(e)}") from None
-
-
-def validation_message(e: ValidationError) -> str:
-    """pydantic's errors on one line: `field: problem; field: problem`."""
-    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
 
 
 class SweepGrid(_Strict):

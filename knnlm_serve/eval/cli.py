@@ -15,7 +15,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from knnlm_core.config import EvalConfig, validation_message
+from knnlm_core.config import EvalConfig
+from knnlm_core.config_file import validation_message
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for
 from knnlm_core.errors import KnnlmError
 from knnlm_serve.eval.report import markdown_table, write_report

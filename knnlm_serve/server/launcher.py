@@ -23,7 +23,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
-from knnlm_core.config import ServeConfig, load_serve_config
+from knnlm_core.config import ServeConfig
+from knnlm_core.config_file import load_serve_config
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for, prepare_default_model
 from knnlm_core.errors import ConfigError, KnnlmError, ModelError
 from knnlm_core.model_dir import architecture_of, check_model_dir
@@ -44,20 +45,8 @@ def ray_init_address(configured: str | None) -> str:
 
 
 def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
-    argv = [
-        "--model",
-        model_dir,
-        "--host",
-        config.host,
-        "--port",
-        str(config.port),
-        "--max-model-len",
-        str(config.max_model_len),
-        "--dtype",
-        config.dtype,
-        "--kv-cache-memory-bytes",
-        str(int(config.kv_cache_gib * 2**30)),
-    ]
+    argv = ["--model", model_dir, "--host", config.host, "--port", str(config.port), "--max-model-len", str(config.max_model_len)]
+    argv += ["--dtype", config.dtype, "--kv-cache-memory-bytes", str(int(config.kv_cache_gib * 2**30))]
     if config.enforce_eager:
         argv.append("--enforce-eager")
     if config.served_model_name:

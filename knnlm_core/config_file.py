@@ -1,0 +1,39 @@
+"""Reading the server's YAML config file into ServeConfig, and pydantic's errors as one line
+that names the field (the CLIs report their flags' errors with it too)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from knnlm_core.config import ServeConfig
+from knnlm_core.errors import ConfigError
+
+
+def load_serve_config(path: str | Path | None, **overrides) -> ServeConfig:
+    data = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of settings at the top level")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return ServeConfig(**data)
+    except ValidationError as e:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}invalid configuration: {validation_message(e)}") from None
+
+
+def validation_message(e: ValidationError) -> str:
+    """pydantic's errors on one line: `field: problem; field: problem`."""
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
