@@ -314,3 +314,19 @@ def test_explain_refuses_a_null_knob_naming_it_as_the_completion_routes_do(serve
         timeout=60,
     )
     assert response.status_code == 400 and "knn_pointers" in response.text, response.text
+
+
+def test_an_add_whose_datastore_is_unloaded_meanwhile_keeps_the_texts_its_version_names_and_says_how_to_serve_it(server, root, ids):
+    """The add's child puts its version in the datastore's directory before the server loads it;
+    that version names the texts file, so a load that fails then keeps the file."""
+    response = admin(server, "POST", "/datastores/flat/documents", texts=[{"text": FACT, "id": "while-unloaded"}])
+    assert admin(server, "DELETE", "/datastores/flat").status_code == 200
+    job = job_of(server, response)
+    assert job["state"] == "failed" and "the new version is in flat, not serving: POST /v1/knn/datastores serves it" in job["error"]
+    (source,) = job["record"]["sources"]
+    assert source.startswith(".knnlm-added/flat/") and (root / source).is_file()  # shown below the root, not as a server path
+
+    assert admin(server, "POST", "/datastores", name="flat", path="flat", default=True).status_code == 200
+    assert answer(server, ids, "flat") == ids["fact"]
+    document = requests.get(f"{server.base_url}/v1/knn/documents/flat/{job['record']['first_document']}", timeout=30).json()
+    assert (document["id"], document["text"]) == ("while-unloaded", FACT)

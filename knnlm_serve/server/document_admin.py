@@ -10,7 +10,7 @@ An add or a compact runs `knnlm-index` in a child process (server/document_jobs.
 the new version like any hot-swap: requests already running finish on the version they started
 on. `paths` lie below `knn.datastore_root`; `texts` ({text, id?}) are kept as a .jsonl file below
 `<knn.datastore_root>/.knnlm-added/<name>/` (knnlm_core/added_texts.py), the source provenance
-names, written once the add holds the datastore's job slot and removed if the add fails. A forget
+names, written once the add holds the datastore's job slot and removed if its child fails. A forget
 erases the document's record from that file; the user's own files (`paths`) are never touched.
 At start, `sweep_added_texts` removes what no serving version needs. One job runs per datastore
 at a time; another is refused with a 429.
@@ -114,9 +114,13 @@ def compact(name: str, request: Request, raw: dict | None = Body(None), registry
     try:
         body = parse_body(CompactRequest, raw)
         info = registry.serving(name)
-        check_compactable(read_manifest(Path(info.path)), name, body.shards)
         job = jobs.begin(name, "compact")
     except KnnlmError as e:
+        raise http_error(e, registry) from None
+    try:
+        check_compactable(read_manifest(Path(info.path)), name, body.shards)
+    except KnnlmError as e:
+        jobs.end(job, time.monotonic(), registry.public(str(e)))
         raise http_error(e, registry) from None
     command = [sys.executable, "-m", "index_builder.cli", "compact", info.path]
     command += ["--shards", str(body.shards)] if body.shards else []
@@ -147,13 +151,24 @@ def forget_document(
     started = time.monotonic()
     try:
         _, (record,) = forget_documents(info.path, documents=[document], erase=erase)
-        loaded = registry.load(name, info.path, keep_actors=True)
-    except KnnlmError as e:
+    except Exception as e:  # noqa: BLE001 - the job ends either way; kNN errors answer through the error map
         jobs.end(job, started, registry.public(str(e)))
-        raise http_error(e, registry) from None
-    job.version, job.record = loaded.version, record.model_dump(mode="json")
+        if isinstance(e, KnnlmError):
+            raise http_error(e, registry) from None
+        raise
+    try:
+        loaded = registry.load(name, info.path, keep_actors=True)
+    except Exception as e:  # noqa: BLE001 - forgotten in the files, and that version is not serving
+        error = KnnlmError(
+            f"document {document} is forgotten in {info.path}, but that version is not serving ({e}): a version "
+            "loaded before may serve the document until POST /v1/knn/datastores serves the directory again",
+            ErrorKind.UNAVAILABLE,
+        )
+        jobs.end(job, started, registry.public(str(error)))
+        raise http_error(error, registry) from None
+    job.version, job.record = loaded.version, json.loads(registry.public(record.model_dump_json()))
     jobs.end(job, started)
-    untouched = [] if is_server_copy(record.source) else [record.source]
+    untouched = [] if is_server_copy(record.source) else [registry.public(record.source)]
     return {**asdict(job), "untouched": untouched}
 
 

@@ -2,9 +2,11 @@
 state for `GET /v1/knn/jobs/{job}`, and the child process an add or a compact runs in.
 
 A child (`knnlm-index add` or `compact`) has its own memory and a lower priority than serving;
-its progress lines become the job's, and its result is loaded like any hot-swap. A job that fails
-(the child exits with an error or is killed, the load is refused) runs its `on_failure`, which
-removes what it wrote (an add's texts file and work directory), so it leaves nothing behind.
+its progress lines become the job's, and its result is loaded like any hot-swap. A job whose child
+fails (exits with an error, or is killed) runs its `on_failure`, which removes what it wrote (an
+add's texts file and work directory), so it leaves nothing behind. Once the child has exited
+well, its version is the datastore's directory: a load that fails then keeps every file that
+version names, and the job's error says how to serve it.
 """
 
 from __future__ import annotations
@@ -74,14 +76,15 @@ def run_child_job(
     jobs: DocumentJobs, job: Job, registry: DatastoreRegistry, path: str, command: list[str], on_failure: Callable[[], None]
 ) -> None:
     """Run `command` (a knnlm-index job on the datastore at `path`, printing its audit record as
-    JSON), then serve the new version; `on_failure` runs if either fails."""
-    started = time.monotonic()
+    JSON), then serve the new version; `on_failure` runs if the child fails."""
+    started, published = time.monotonic(), False
     try:
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=lambda: os.nice(10))  # serving first
         errors = _follow(child, job)
         if child.wait() != 0:
             raise KnnlmError(errors or f"knnlm-index {job.kind} exited with status {child.returncode}")
-        job.record = json.loads(child.stdout.read())
+        published = True
+        job.record = json.loads(registry.public(child.stdout.read().decode()))  # its sources as clients may see them
         job.progress = "loading the new version"
         if registry.serving(job.datastore).path != path:
             raise KnnlmError(f"datastore {job.datastore!r} was swapped to another directory meanwhile: the new version is not loaded")
@@ -89,8 +92,10 @@ def run_child_job(
         job.progress = "serving"
     except Exception as e:  # noqa: BLE001 - a job reports its failure; the serving version is untouched
         logger.warning("%s on datastore %r failed: %s", job.kind, job.datastore, e)
-        on_failure()
-        jobs.end(job, started, registry.public(str(e)))
+        if not published:
+            on_failure()
+        error = f"{e}; the new version is in {path}, not serving: POST /v1/knn/datastores serves it" if published else str(e)
+        jobs.end(job, started, registry.public(error))
         return
     jobs.end(job, started)
 
