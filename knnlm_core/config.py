@@ -1,4 +1,5 @@
-"""All of knnlm-serve's settings: one pydantic model per section, loaded from `configs/*.yaml`.
+"""All of knnlm-serve's settings: one pydantic model per section, loaded from `configs/*.yaml`
+(knnlm_core/config_file.py).
 
 Every knob a user can turn lives here, with its default and its meaning; the CLIs only map
 their flags onto these models. A process gets its settings by one route: the launcher passes
