@@ -41,7 +41,9 @@ def check_compactable(manifest: Manifest, name: str, shards: int | None) -> None
     live = manifest.entries - forgotten_entries(manifest)
     if shards is not None and shards > live:
         raise DatastoreError(
-            f"shards: {shards} is more than the {live:,} entries {name} keeps after compacting: give at most {live}", ErrorKind.MALFORMED
+            f"shards: {shards} is more than the {live:,} entries {name} keeps after compacting: give at most {live}",
+            ErrorKind.MALFORMED,
+            "shards",
         )
     if not manifest.forgotten and not manifest.additions:
         raise DatastoreError(f"datastore {name} has no added shards and no forgotten documents: it is already compact")

@@ -22,10 +22,11 @@ class ErrorKind(str, Enum):
 class KnnlmError(Exception):
     kind: ErrorKind = ErrorKind.INVALID
 
-    def __init__(self, message: str, kind: ErrorKind | None = None):
+    def __init__(self, message: str, kind: ErrorKind | None = None, param: str | None = None):
         super().__init__(message)
         if kind is not None:
             self.kind = kind
+        self.param = param  # the request field it is about (`error.param` in an HTTP answer), where one is
 
 
 class ConfigError(KnnlmError):

@@ -69,8 +69,7 @@ class KnnParamError(KnnlmError):
     kind = ErrorKind.MALFORMED
 
     def __init__(self, field: str, value, allowed: str):
-        super().__init__(f"vllm_xargs.{field}={value!r} is invalid: must be {allowed}")
-        self.field, self.value = field, value
+        super().__init__(f"vllm_xargs.{field}={value!r} is invalid: must be {allowed}", param=f"vllm_xargs.{field}")
 
 
 def raw_type_error(xargs: dict) -> KnnParamError | None:

@@ -142,7 +142,9 @@ class KnnAdminPlugin:
         from knnlm_serve.server.admission import AdmissionMiddleware
         from knnlm_serve.server.document_admin import router as document_router
         from knnlm_serve.server.explain import router as explain_router
+        from knnlm_serve.server.http_errors import KnnHTTPError, knn_http_error_response
 
+        app.add_exception_handler(KnnHTTPError, knn_http_error_response)
         app.include_router(router)
         app.include_router(document_router)
         app.include_router(explain_router)

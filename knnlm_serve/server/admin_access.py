@@ -30,23 +30,24 @@ def admin_registry(request: Request, x_admin_token: str | None = Header(None)) -
     return registry
 
 
-def resolve_in_root(root: str | None, path: str) -> Path:
+def resolve_in_root(root: str | None, path: str, field: str = "path") -> Path:
+    """`path` below knn.datastore_root, resolved; errors name the body `field` it came in."""
     if root is None:
         raise KnnlmError("loading datastores through the admin API is disabled: set knn.datastore_root", ErrorKind.FORBIDDEN)
     if not path or any(not c.isprintable() for c in path):
         raise KnnlmError(
-            f"path {path!r} is invalid: give a directory below knn.datastore_root, without control characters", ErrorKind.MALFORMED
+            f"path {path!r} is invalid: give a directory below knn.datastore_root, without control characters", ErrorKind.MALFORMED, field
         )
     root_dir = Path(root).expanduser().resolve()
     candidate = (root_dir / path).resolve()
     if not candidate.is_relative_to(root_dir):
-        raise KnnlmError(f"path {path!r} resolves outside the datastore root (knn.datastore_root)", ErrorKind.FORBIDDEN)
+        raise KnnlmError(f"path {path!r} resolves outside the datastore root (knn.datastore_root)", ErrorKind.FORBIDDEN, field)
     return candidate
 
 
 def check_name(name: str) -> None:
     if problem := datastore_name_problem(name):
-        raise KnnlmError(f"name: {problem}", ErrorKind.MALFORMED)
+        raise KnnlmError(f"name: {problem}", ErrorKind.MALFORMED, "name")
 
 
 def parse_body(model: type[M], body: object) -> M:
@@ -58,4 +59,5 @@ def parse_body(model: type[M], body: object) -> M:
         error = e.errors()[0]
         field = ".".join(str(part) for part in error["loc"]) or "the body"
         shown = repr(error.get("input"))
-        raise KnnlmError(f"{field}: {error['msg']} (got {shown[:80] + '...' if len(shown) > 80 else shown})", ErrorKind.MALFORMED) from None
+        message = f"{field}: {error['msg']} (got {shown[:80] + '...' if len(shown) > 80 else shown})"
+        raise KnnlmError(message, ErrorKind.MALFORMED, field) from None

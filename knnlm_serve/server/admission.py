@@ -67,10 +67,9 @@ class AdmissionMiddleware:
 
 
 def _param_of(e: KnnlmError) -> str:
-    """The request field an admission error names: a body field the passages could not read, or a knob."""
-    if isinstance(e, ctx.BodyFieldError):
-        return e.param
-    return f"vllm_xargs.{e.field if isinstance(e, KnnParamError) else ctx.KNOB}"
+    """The request field an admission error names: a body field the passages could not read, a
+    knob, or else the passages' knob."""
+    return e.param or f"vllm_xargs.{ctx.KNOB}"
 
 
 def _knn_request(body: bytes) -> dict | None:

@@ -104,8 +104,7 @@ class BodyFieldError(KnnlmError):
     kind = ErrorKind.MALFORMED
 
     def __init__(self, param: str, allowed: str):
-        super().__init__(f"{param} must be {allowed} (with vllm_xargs.{KNOB})")
-        self.param = param
+        super().__init__(f"{param} must be {allowed} (with vllm_xargs.{KNOB})", param=param)
 
 
 def query_text(body: dict, chat: bool, tokenizer) -> str:

@@ -183,7 +183,7 @@ def _input_paths(registry: DatastoreRegistry, body: AddRequest) -> list[str]:
             "knn.datastore_root and send their `paths`",
             ErrorKind.MALFORMED,
         )
-    files = [resolve_in_root(registry.config.datastore_root, p) for p in body.paths]
+    files = [resolve_in_root(registry.config.datastore_root, p, "paths") for p in body.paths]
     if files:
         find_files(files)  # a missing path or one with no text files is an error now, not in the job
     return [str(f) for f in files]

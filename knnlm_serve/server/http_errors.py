@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import HTTPException
+from http import HTTPStatus
+
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse
 
 from knnlm_core.errors import ErrorKind, KnnlmError
 
@@ -17,6 +20,20 @@ STATUS = {
 }
 
 
-def http_error(e: KnnlmError, registry) -> HTTPException:
+class KnnHTTPError(HTTPException):
+    """An HTTP error that keeps the request field it is about (`param`)."""
+
+    def __init__(self, status_code: int, detail: str, param: str | None):
+        super().__init__(status_code, detail)
+        self.param = param
+
+
+def http_error(e: KnnlmError, registry) -> KnnHTTPError:
     """The error's HTTP status, and its message with no server path in it."""
-    return HTTPException(STATUS[e.kind], registry.public(str(e)))
+    return KnnHTTPError(STATUS[e.kind], registry.public(str(e)), e.param)
+
+
+async def knn_http_error_response(request: Request, e: KnnHTTPError) -> JSONResponse:
+    """vLLM's error body, with `param` naming the field: vLLM's handler for HTTPException drops it."""
+    error = {"message": e.detail, "type": HTTPStatus(e.status_code).phrase, "param": e.param, "code": e.status_code}
+    return JSONResponse({"error": error}, status_code=e.status_code)
