@@ -51,6 +51,9 @@ def knn_settings(tiny_model_dir, tmp_path_factory) -> dict:
         "adaptive_lambda": {"b": {"lambda_max": 1.0, "slope": 1.0, "center": 20.0}},
         "overlap": False,  # searches after the logits, only of the rows the skip rule keeps: the reference for overlap
         "compiled_graphs": False,  # plain actor calls: the reference for compiled graphs
+        # A reference row must never be served LM-only: while the fast server tears down its idle
+        # compiled graphs, both cores are busy, and a shard's answer took over the default 10 s.
+        "shard_timeout_s": 120.0,
         **STRICT_KNN,
     }
 
@@ -310,7 +313,7 @@ def test_overlap_serves_what_is_served_without_it(knn_server, fast_server, token
     forward pass either way)."""
     prompt = token_ids["a"][: len(PREFIX.split()) + 2]
     requests = [*MIXED_REQUESTS, {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.0}]  # + every row skipped
-    expected = [complete(knn_server, prompt, **x) for x in requests]
+    expected = served_with_knn(knn_server, lambda: [complete(knn_server, prompt, **x) for x in requests])
     expected_echo = prompt_logprobs(knn_server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)
     server = fast_server
     alone = [complete(server, prompt, **x) for x in requests]
@@ -338,7 +341,7 @@ def test_compiled_graphs_serve_what_plain_calls_serve(knn_server, fast_server, t
     same tokens and logprobs as plain actor calls, alone and batched; knnlm_shard_answers says
     which transport answered."""
     prompt = token_ids["a"][: len(PREFIX.split()) + 2]
-    expected = [complete(knn_server, prompt, **x) for x in MIXED_REQUESTS]
+    expected = served_with_knn(knn_server, lambda: [complete(knn_server, prompt, **x) for x in MIXED_REQUESTS])
     server = fast_server
 
     def answers(transport: str) -> dict[str, float]:
@@ -380,25 +383,36 @@ def test_speculative_decoding_serves_what_is_served_without_it(knn_server, fast_
     logprobs are served as without speculation."""
     prompt = token_ids["a"] + token_ids["a"][1 : len(PREFIX.split()) + 2]
     requests = [{}, *MIXED_REQUESTS, {"knn_datastore": "a", "knn_lambda": 1.0, "knn_pointers": 1}]
-    expected = [complete(knn_server, prompt, **x) for x in requests]
+    expected = served_with_knn(knn_server, lambda: [complete(knn_server, prompt, **x) for x in requests])
     server = fast_server
-    total = lambda name: metric_total(scrape_metrics(server.base_url), name)  # noqa: E731
-    accepted, fell_back = total(r"vllm:spec_decode_num_accepted_tokens_total"), total("knnlm_fallbacks_total")
-    alone = [complete(server, prompt, **x) for x in requests]
-    with ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(lambda x: complete(server, prompt, **x), requests))
-    # a row served LM-only (a search past its deadline) would differ for that reason, not the drafts'
-    assert total("knnlm_fallbacks_total") == fell_back, "a kNN row was served LM-only"
+    accepted = metric_total(scrape_metrics(server.base_url), r"vllm:spec_decode_num_accepted_tokens_total")
+
+    def answers():  # each request alone, then all of them in one batch
+        alone = [complete(server, prompt, **x) for x in requests]
+        with ThreadPoolExecutor(len(requests)) as pool:
+            return alone, list(pool.map(lambda x: complete(server, prompt, **x), requests))
+
+    alone, together = served_with_knn(server, answers)
     for xargs, want, *got in zip(requests, expected, alone, together):
         for run, choice in zip(("alone", "together"), got):
             assert choice.token_ids == want.token_ids, f"{xargs} ({run})"
             np.testing.assert_allclose(choice.logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-4, err_msg=f"{xargs} ({run})")
-    assert total(r"vllm:spec_decode_num_accepted_tokens_total") - accepted >= len(requests)  # drafts were verified and accepted
+    drafted = metric_total(scrape_metrics(server.base_url), r"vllm:spec_decode_num_accepted_tokens_total") - accepted
+    assert drafted >= len(requests)  # drafts were verified and accepted
     np.testing.assert_allclose(  # prompt logprobs (the served-perplexity path) are the mixture's too
         prompt_logprobs(server, token_ids["b"], knn_datastore="b", knn_lambda=0.5),
         prompt_logprobs(knn_server, token_ids["b"], knn_datastore="b", knn_lambda=0.5),
         atol=1e-4,
     )
+
+
+def served_with_knn(server, answer):
+    """`answer()`, which `server` must serve with kNN on every row: a row served LM-only (a search
+    past the shard deadline) would make a comparison fail for that reason, not the one tested."""
+    before = metric_total(scrape_metrics(server.base_url), "knnlm_fallbacks_total")
+    result = answer()
+    assert metric_total(scrape_metrics(server.base_url), "knnlm_fallbacks_total") == before, "a kNN row was served LM-only"
+    return result
 
 
 def rows_counted(server, send) -> tuple[float, float]:
