@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import types
 import typing
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     verify.add_argument("--nprobe", type=positive_int)
 
     args = parser.parse_args(argv)
+    if getattr(args, "quiet", False):
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' model-loading bar too (read when it is imported)
     logging.basicConfig(level=logging.WARNING if getattr(args, "quiet", False) else logging.INFO, format="knnlm-index: %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # which SIMD build FAISS loaded is no news
     try:

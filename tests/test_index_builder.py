@@ -279,6 +279,13 @@ def test_an_index_faiss_cannot_make_fails_before_any_key_is_encoded_and_writes_n
     assert not (tmp_path / "ds").exists() and not list(tmp_path.glob(".ds*"))
 
 
+def test_a_quiet_build_writes_nothing_to_the_terminal(tiny_model_dir, tmp_path):
+    (tmp_path / "in.txt").write_text("The lighthouse keeper counted the ships that passed the northern cape. " * 20)
+    args = ["build", str(tmp_path / "in.txt"), "-o", str(tmp_path / "ds"), "--model", str(tiny_model_dir), "--no-calibrate", "--quiet"]
+    result = knnlm_index(*args)
+    assert result.returncode == 0 and (result.stdout, result.stderr) == ("", ""), result.stderr[-2000:]
+
+
 def test_an_output_that_cannot_be_made_is_one_line_naming_it(tiny_model_dir, tmp_path):
     (tmp_path / "in.txt").write_text("A short text.")
     result = knnlm_index("build", str(tmp_path / "in.txt"), "-o", str(tmp_path / "in.txt" / "ds"), "--model", str(tiny_model_dir))

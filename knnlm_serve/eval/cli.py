@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-token", action="store_true", help="also write tokens.npz (per-token log-probabilities)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    if args.quiet:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' model-loading bar too (read when it is imported)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="knnlm-eval: %(message)s")
     try:
         try:
