@@ -17,13 +17,11 @@ from __future__ import annotations
 import json
 import logging
 
-from starlette.responses import JSONResponse
-
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KNOWN_KEYS, WIRE_KEY, KnnParamError, RequestKnobs, parse_knobs, raw_type_error, with_defaults
 from knnlm_serve.server import context as ctx
-from knnlm_serve.server.http_errors import STATUS
+from knnlm_serve.server.http_errors import STATUS, error_response
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -58,8 +56,8 @@ class AdmissionMiddleware:
             try:
                 request, context = _admitted(state, registry, request, scope["path"])
             except KnnlmError as e:
-                content = {"error": {"message": str(e), "type": "BadRequestError", "param": _param_of(e), "code": STATUS[e.kind]}}
-                return await JSONResponse(content, status_code=STATUS[e.kind])(scope, receive, send)
+                refused = error_response(STATUS[e.kind], str(e), _param_of(e), "BadRequestError")
+                return await refused(scope, receive, send)
             body = json.dumps(request).encode()
         if context is not None:
             send = _naming_context(send, context, request.get("stream", False))

@@ -33,7 +33,12 @@ def http_error(e: KnnlmError, registry) -> KnnHTTPError:
     return KnnHTTPError(STATUS[e.kind], registry.public(str(e)), e.param)
 
 
+def error_response(status: int, message: str, param: str | None, kind: str | None = None) -> JSONResponse:
+    """vLLM's error body, `{"error": {message, type, param, code}}` (type: the status's phrase unless given)."""
+    error = {"message": message, "type": kind or HTTPStatus(status).phrase, "param": param, "code": status}
+    return JSONResponse({"error": error}, status_code=status)
+
+
 async def knn_http_error_response(request: Request, e: KnnHTTPError) -> JSONResponse:
-    """vLLM's error body, with `param` naming the field: vLLM's handler for HTTPException drops it."""
-    error = {"message": e.detail, "type": HTTPStatus(e.status_code).phrase, "param": e.param, "code": e.status_code}
-    return JSONResponse({"error": error}, status_code=e.status_code)
+    """Our errors with `param` naming the field: vLLM's handler for HTTPException drops it."""
+    return error_response(e.status_code, e.detail, e.param)
