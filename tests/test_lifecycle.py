@@ -166,22 +166,22 @@ def test_admin_needs_the_admin_token(server):
 
 
 @pytest.mark.parametrize(
-    "path, body, status, message",
+    "path, body, status, message, param",
     [
-        ("../outside", {}, 403, "outside the datastore root"),
-        ("missing", {}, 404, "does not exist"),
-        ("other-model", {}, 422, "built for model"),
-        ("a-final", {}, 422, "key type"),
-        ("b", {"key_type": "final"}, 422, "key type"),
-        ("truncated", {}, 422, "truncated"),
-        ("corrupt", {}, 422, "checksum mismatch"),
+        ("../outside", {}, 403, "outside the datastore root", "path"),
+        ("missing", {}, 404, "does not exist", "path"),
+        ("other-model", {}, 422, "built for model", "path"),
+        ("a-final", {}, 422, "key type", "path"),  # unlike the serving version's: the datastore at path is wrong
+        ("b", {"key_type": "final"}, 422, "key type", "key_type"),
+        ("truncated", {}, 422, "truncated", "path"),
+        ("corrupt", {}, 422, "checksum mismatch", "path"),
     ],
 )
-def test_bad_loads_are_4xx_and_leave_serving_unchanged(server, root, ids, path, body, status, message):
+def test_bad_loads_are_4xx_naming_the_field_and_leave_serving_unchanged(server, root, ids, path, body, status, message, param):
     before = admin(server, "GET", "/datastores").json()
     response = admin(server, "POST", "/datastores", name="main", path=path, **body)
     assert response.status_code == status, response.text
-    assert message in response.json()["error"]["message"]
+    assert message in response.json()["error"]["message"] and response.json()["error"]["param"] == param
     assert path in response.json()["error"]["message"] and str(root) not in response.json()["error"]["message"]
     assert admin(server, "GET", "/datastores").json() == before
     assert complete(server, ids["prompt"]) == ids["a"]

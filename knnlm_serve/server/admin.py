@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import APIRouter, Body, Depends, FastAPI, HTTPException
+from fastapi import APIRouter, Body, Depends, FastAPI
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 from knnlm_core.config import KeyType
@@ -34,7 +34,7 @@ from knnlm_serve.app_state import published_registry, registry_loaded
 from knnlm_serve.engine.worker_extension import ATTACH, SET_RUNTIME, WORKER_STATE
 from knnlm_serve.runtime import Runtime
 from knnlm_serve.server.admin_access import admin_registry, check_name, parse_body, resolve_in_root
-from knnlm_serve.server.http_errors import STATUS, http_error
+from knnlm_serve.server.http_errors import STATUS, KnnHTTPError, http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
 logger = logging.getLogger("knnlm_serve")
@@ -78,7 +78,9 @@ def load_datastore(raw: dict | None = Body(None), registry: DatastoreRegistry = 
     try:
         info = registry.load(body.name, path, make_default=body.default, key_type=body.key_type)
     except KnnlmError as e:  # name the path as the client sent it: the server's absolute paths are not theirs
-        raise HTTPException(STATUS[e.kind], registry.public(str(e).replace(str(path), body.path))) from None
+        about_path = e.kind not in (ErrorKind.UNAVAILABLE, ErrorKind.BUSY)  # those are the server's state, not the body's
+        param = e.param or ("path" if about_path else None)
+        raise KnnHTTPError(STATUS[e.kind], registry.public(str(e).replace(str(path), body.path)), param) from None
     return {"loaded": {**info.listed(), "path": registry.public_path(info.path)}, "default": registry.runtime.default}
 
 

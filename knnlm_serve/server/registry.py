@@ -97,7 +97,7 @@ class DatastoreRegistry:
         """Serve the datastore at `path` as `name`. `keep_actors` (an add's or a forget's new version
         of the serving one): the serving version's actors serve the shards this one did not change."""
         if problem := datastore_name_problem(name):
-            raise DatastoreError(problem)
+            raise DatastoreError(problem, param="name")
         started = time.monotonic()
         with self._lock:
             old = self.runtime.datastores.get(name)
@@ -195,7 +195,9 @@ class DatastoreRegistry:
         serving = self.runtime.datastores.get(name)
         expected = key_type or (serving.key_type if serving else None)
         if expected is not None and manifest.key_type != expected:
-            raise DatastoreError(f"datastore at {path} has key type {manifest.key_type!r}, expected {expected!r}")
+            raise DatastoreError(
+                f"datastore at {path} has key type {manifest.key_type!r}, expected {expected!r}", param="key_type" if key_type else "path"
+            )
         calibration, max_k = info.calibration, self.runtime.knn.max_k
         if calibration is not None:
             for field, value in (
