@@ -10,6 +10,7 @@ their flags onto these models. A process gets its settings by one route: the lau
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -127,7 +128,11 @@ class KnnConfig(_Strict):
     nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's calibrated nprobe, else its build's")
     backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")
     ray_address: str | None = Field(None, description="join this Ray cluster; default: RAY_ADDRESS (a Ray job's), else a new local one")
-    ray_namespace: str = "knnlm"
+    ray_namespace: str = Field(
+        default_factory=lambda: f"knnlm-{secrets.token_hex(4)}",
+        min_length=1,
+        description="namespace of this server's shard actors; default: one of its own, so servers that share a Ray cluster never share actors",
+    )
     shard_timeout_s: float = Field(10.0, gt=0, description="a step waits this long for a shard before leaving it out")
     on_shard_failure: Literal["partial", "lm_only"] = Field(
         "partial", description="a dead or late shard: partial = merge the shards that answered; lm_only = skip kNN for the step"

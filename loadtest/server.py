@@ -54,7 +54,7 @@ def kill_one_shard(base_url: str, token: str, started_here: bool) -> None:
     import ray
 
     actor = health["shards"][0]["actor"]
-    ray.init(address="auto", namespace="knnlm", log_to_driver=False)
+    ray.init(address="auto", namespace=health["ray_namespace"], log_to_driver=False)
     try:
         ray.kill(ray.get_actor(actor), no_restart=False)
     finally:

@@ -64,19 +64,19 @@ def root(tiny_model_dir, tmp_path_factory):
     return root
 
 
-def serve(tiny_model_dir, cluster, root, **knn_settings):
+def serve(tiny_model_dir, cluster, root, workdir: str, **knn_settings):
     # Room for a loaded machine in the shard timeout: a new version's actors on the one-CPU node
     # answered their first steps after a swap in over 1 s on CI (every row LM-only for those steps).
     placement = {"ray_address": cluster["cluster"].address, "shard_resources": {SHARD_RESOURCE: 0.01}}
     knn = admin_knn(root, TOKEN, **{**placement, **knn_settings})
-    workdir = root / knn["ray_namespace"]  # the server's log and config
+    workdir = root / workdir  # the server's log and config
     workdir.mkdir(exist_ok=True)
     return RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, workdir)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, cluster, root):
-    with serve(tiny_model_dir, cluster, root, ray_namespace="knnlm-cluster-test") as server:
+    with serve(tiny_model_dir, cluster, root, "server") as server:
         yield server
 
 
@@ -104,6 +104,20 @@ def test_a_server_without_a_ray_address_starts_its_own_ray_beside_a_running_clus
     started = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, env=env, timeout=180)
     assert started.returncode == 0, started.stderr[-2000:]
     assert started.stdout.split()[-1] != cluster["cluster"].address
+
+
+def test_a_second_server_of_the_datastore_on_the_cluster_keeps_its_own_shard_actors(tiny_model_dir, cluster, root, server, ids):
+    """Replicas of one deployment behind a load balancer: each server's shard actors are its own
+    without a setting, so what one server does to its datastore costs the other nothing."""
+    before = fallbacks(server)
+    with serve(tiny_model_dir, cluster, root, "second") as second:  # serves `main` from the same files
+        assert complete(second, ids) == complete(server, ids) == ids["a"]
+        namespaces = {admin(s, "GET", "/health").json()["ray_namespace"] for s in (server, second)}
+        assert admin(second, "DELETE", "/datastores/main").status_code == 200  # its actors stop once released
+        until(lambda: admin(second, "GET", "/datastores").json()["datastores"] == [], 60, "the unloaded version was never released")
+    assert complete(server, ids) == ids["a"] and fallbacks(server) == before
+    assert admin(server, "GET", "/health").json()["healthy"]
+    assert len(namespaces) == 2, namespaces
 
 
 def test_shards_live_on_the_node_with_their_resource(server, cluster, ids):
@@ -152,7 +166,7 @@ def test_with_a_replica_on_each_node_losing_one_costs_no_fallback(tiny_model_dir
     # Each replica a step asks gets half of what is left of the deadline: 2 s, room for a loaded machine
     # while Ray has not yet noticed the node is gone (calls to its actors hang until then).
     settings = {"replicas": 2, "shard_resources": {ANY_NODE: 0.01}, "shard_timeout_s": 4.0}
-    with serve(tiny_model_dir, cluster, root, ray_namespace="knnlm-replicas-test", **settings) as server:
+    with serve(tiny_model_dir, cluster, root, "replicas", **settings) as server:
         placed = {(s["shard"], s["node"]) for s in admin(server, "GET", "/health").json()["shards"]}
         assert placed == {(shard, node) for shard in ("shard-000", "shard-001") for node in (head.node_id, cluster["shard_node"].node_id)}
         assert complete(server, ids) == ids["a"]

@@ -104,6 +104,7 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
             log_to_driver=False,
         )
         ray_address = ray.get_runtime_context().gcs_address
+        logger.info("shard actors: Ray at %s, namespace %s", ray_address, config.knn.ray_namespace)
     registry = DatastoreRegistry(config.knn, model, ray_address)
     atexit.register(registry.close)  # runs before ray.init's own exit handler (last in, first out)
 

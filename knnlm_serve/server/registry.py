@@ -172,7 +172,8 @@ class DatastoreRegistry:
         with self._lock:
             datastores = [self._health(info) for info in self.runtime.datastores.values()]
         healthy = all(s["status"] == "ok" for s in shards) and all(d["healthy"] for d in datastores)
-        return {"healthy": healthy, "datastores": datastores, "model_cpus": self._model_cpus, "shards": shards}
+        namespace = self.runtime.knn.ray_namespace if self.runtime.knn.backend == "ray" else None
+        return {"healthy": healthy, "ray_namespace": namespace, "datastores": datastores, "model_cpus": self._model_cpus, "shards": shards}
 
     def _health(self, info: DatastoreInfo) -> dict:
         error = self._unhealthy.get(info.key)
