@@ -133,6 +133,12 @@ class KnnConfig(_Strict):
         min_length=1,
         description="namespace of this server's shard actors; default: one of its own, so servers that share a Ray cluster never share actors",
     )
+    follow_changes_s: float | None = Field(
+        None,
+        gt=0,
+        description="check each serving datastore's directory this often and serve a new version found there "
+        "(another server's add, forget or compact, or knnlm-index run on it); default: off",
+    )
     shard_timeout_s: float = Field(10.0, gt=0, description="a step waits this long for a shard before leaving it out")
     on_shard_failure: Literal["partial", "lm_only"] = Field(
         "partial", description="a dead or late shard: partial = merge the shards that answered; lm_only = skip kNN for the step"

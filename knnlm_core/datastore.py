@@ -38,6 +38,14 @@ from knnlm_core.files import sha256_file, write_json_atomic
 from knnlm_core.manifest import FORMAT, FORMAT_VERSION, MANIFEST, FileEntry, Manifest
 
 
+def manifest_sha256(path: str | os.PathLike) -> str | None:
+    """The sha256 of `<path>/manifest.json`, which every new version of a datastore rewrites; None if unreadable."""
+    try:
+        return hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
 def read_manifest(path: str | os.PathLike) -> Manifest:
     """Read and validate `<path>/manifest.json`, and check every shard file is there at its size."""
     path = Path(path)

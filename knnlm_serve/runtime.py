@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from knnlm_core.config import AdaptiveLambda, KeyType, KnnConfig
-from knnlm_core.datastore import check_compatible, load_document_starts, read_manifest
+from knnlm_core.datastore import check_compatible, load_document_starts, manifest_sha256, read_manifest
 from knnlm_core.errors import DatastoreError
 from knnlm_core.keys import no_ffn_input_error, supports_ffn_input
 from knnlm_core.manifest import Calibration, Manifest, PassageIndexEntry, served_nprobe
@@ -100,6 +100,7 @@ class DatastoreInfo(BaseModel):
     last_add: str | None = None  # when documents were last added, and forgotten
     last_forget: str | None = None
     passages: PassageIndexEntry | None = None  # in-context retrieval's passages; None: built before passages existed
+    manifest_sha256: str | None = None  # of the manifest it was loaded from: what other servers and knnlm-index see as the version
 
     @property
     def key(self) -> tuple[str, int]:
@@ -165,10 +166,11 @@ class ServedModel:
 def check_datastore(name: str, path: str | Path, model: ServedModel) -> tuple[DatastoreInfo, Manifest]:
     """Refuse a datastore built for another model, of another dimension, or of a key type the model lacks."""
     path = Path(path).expanduser().resolve()
+    sha256 = manifest_sha256(path)  # before the read: a version written meanwhile shows as a change later
     manifest = read_manifest(path)
     check_compatible(manifest, fingerprint=model.fingerprint, where=f"datastore {name!r} ({path})")
     if manifest.dim != model.hidden_size:
         raise DatastoreError(f"datastore {name!r} has keys of dimension {manifest.dim}, the model's hidden size is {model.hidden_size}")
     if manifest.key_type == "ffn_input" and not model.has_ffn_input:
         raise DatastoreError(str(no_ffn_input_error(model.architecture)))
-    return DatastoreInfo.of(name, path, manifest), manifest
+    return DatastoreInfo.of(name, path, manifest).model_copy(update={"manifest_sha256": sha256}), manifest

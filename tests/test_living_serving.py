@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def root(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, root):
-    knn = admin_knn(root, TOKEN, datastores={"flat": str(root / "flat"), "pq": str(root / "pq")}, replicas=2)
+    knn = admin_knn(root, TOKEN, datastores={"flat": str(root / "flat"), "pq": str(root / "pq")}, replicas=2, follow_changes_s=1.0)
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
         yield server
 
@@ -93,7 +94,7 @@ def actor_pids(server, name: str) -> dict[tuple[str, int], int]:
     return {(s["shard"], s["replica"]): s["pid"] for s in shards}
 
 
-@pytest.mark.parametrize("name, forget_with", [("flat", "route"), ("pq", "cli")])
+@pytest.mark.parametrize("name, forget_with", [("flat", "route"), ("pq", "cli-on-disk")])
 def test_an_added_fact_is_served_and_explained_then_forgotten_on_every_path(server, root, ids, name, forget_with):
     assert answer(server, ids, name) != ids["fact"]
     before, pids = listed(server, name), actor_pids(server, name)
@@ -122,14 +123,11 @@ def test_an_added_fact_is_served_and_explained_then_forgotten_on_every_path(serv
             capture_output=True,
             text=True,
         )
-        assert forgot.returncode == 0, forgot.stderr
-        assert admin(server, "POST", "/datastores", name=name, path=name).status_code == 200
+        assert forgot.returncode == 0, forgot.stderr  # as another server's forget would: the server follows it
+        until(lambda: listed(server, name)["forgotten"] == 1, 60, "the forget on disk was never served (knn.follow_changes_s)")
 
-    forgot = actor_pids(server, name)
-    if forget_with == "route":  # the fact is in the add's new shard: only its actors are new
-        assert {shard: pid == added[shard] for shard, pid in forgot.items()} == {shard: shard in pids for shard in added}
-    else:  # a load starts every actor afresh
-        assert set(forgot.values()).isdisjoint(added.values())
+    forgot = actor_pids(server, name)  # the fact is in the add's new shard: only its actors are new
+    assert {shard: pid == added[shard] for shard, pid in forgot.items()} == {shard: shard in pids for shard in added}
     gone = listed(server, name)
     assert gone["documents"] == before["documents"] and gone["forgotten"] == 1 and gone["last_forget"] is not None
     assert gone["tombstone_share"] == pytest.approx(job["record"]["entries"] / gone["entries"], abs=1e-6)
@@ -146,6 +144,9 @@ def test_an_added_fact_is_served_and_explained_then_forgotten_on_every_path(serv
         "never released",
     )
     assert actor_pids(server, name) == forgot and answer(server, ids, name) != ids["fact"]
+    if forget_with == "cli-on-disk":  # a load through the admin API starts every actor afresh
+        assert admin(server, "POST", "/datastores", name=name, path=name).status_code == 200
+        assert set(actor_pids(server, name).values()).isdisjoint(forgot.values())
 
 
 def test_sixteen_streaming_clients_through_an_add_and_a_forget_see_no_failure_and_no_mixed_answer(server, ids):
@@ -331,3 +332,28 @@ def test_an_add_whose_datastore_is_unloaded_meanwhile_keeps_the_texts_its_versio
     assert answer(server, ids, "flat") == ids["fact"]
     document = requests.get(f"{server.base_url}/v1/knn/documents/flat/{job['record']['first_document']}", timeout=30).json()
     assert (document["id"], document["text"]) == ("while-unloaded", FACT)
+
+
+def test_a_broken_version_written_into_a_serving_directory_is_logged_and_not_followed(server, root, ids):
+    """knn.follow_changes_s: a new manifest that fails the load's checks leaves the serving version serving."""
+    manifest = root / "flat" / "manifest.json"
+    good, before, served = manifest.read_bytes(), listed(server, "flat"), answer(server, ids, "flat")
+
+    def refusals() -> int:
+        return server.log_path.read_text().count("a new version that does not serve")
+
+    logged = refusals()
+    broken = json.loads(good)
+    broken["shards"][0]["values"]["sha256"] = "0" * 64
+    staged = manifest.with_suffix(".staged")
+    try:
+        staged.write_text(json.dumps(broken))
+        staged.replace(manifest)  # as a writer's atomic rename would
+        until(lambda: refusals() > logged, 30, "the follower never logged the new version it refused")
+        assert listed(server, "flat") == before and answer(server, ids, "flat") == served
+        assert admin(server, "GET", "/health").json()["healthy"]
+    finally:
+        staged.write_bytes(good)
+        staged.replace(manifest)
+    time.sleep(3)  # three of the follower's checks: the version it serves is on disk again, nothing to load
+    assert listed(server, "flat")["version"] == before["version"] and refusals() == logged + 1

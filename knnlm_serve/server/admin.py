@@ -164,9 +164,13 @@ class KnnAdminPlugin:
         state.knnlm_registry = registry
         registry.connect(VllmEngineLink(engine_client, asyncio.get_running_loop()), model_cpus(attached))
         logger.info("kNN attached to %d worker(s): %s", len(attached), attached)
-        from knnlm_serve.server.document_admin import sweep_added_texts
+        from knnlm_serve.server.document_admin import document_jobs, sweep_added_texts
 
         try:
             sweep_added_texts(registry)
         except (OSError, KnnlmError) as e:  # the server serves without it; the next start sweeps again
             logger.warning("could not sweep the added texts below knn.datastore_root: %s", e)
+        if registry.config.follow_changes_s:
+            from knnlm_serve.server.disk_follower import DiskFollower
+
+            DiskFollower(registry, document_jobs(state), registry.config.follow_changes_s).start()

@@ -71,12 +71,16 @@ router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"])
 _JOBS_LOCK = threading.Lock()
 
 
-def _jobs(request: Request) -> DocumentJobs:
-    state = request.app.state
+def document_jobs(state) -> DocumentJobs:
+    """The server's jobs, on the app's state (`state`)."""
     with _JOBS_LOCK:  # route handlers run in a thread pool: two first requests must share one
         if not hasattr(state, "knnlm_document_jobs"):
             state.knnlm_document_jobs = DocumentJobs()
     return state.knnlm_document_jobs
+
+
+def _jobs(request: Request) -> DocumentJobs:
+    return document_jobs(request.app.state)
 
 
 @router.post("/datastores/{name}/documents", status_code=202)

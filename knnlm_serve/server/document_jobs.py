@@ -64,6 +64,11 @@ class DocumentJobs:
             self.jobs[job.id] = job
             return job
 
+    def holds(self, datastore: str) -> bool:
+        """Whether an add, forget or compact of this datastore is running (it loads its own version)."""
+        with self._lock:
+            return datastore in self._busy
+
     def end(self, job: Job, started: float, error: str | None = None) -> None:
         job.state, job.error, job.seconds = ("failed" if error else "done"), error, round(time.monotonic() - started, 2)
         metrics.DOCUMENT_JOBS.labels(job.datastore, job.kind, job.state).inc()

@@ -18,17 +18,14 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
-
 from knnlm_core.config import KeyType, KnnConfig, datastore_name_problem
-from knnlm_core.datastore import read_manifest, verify_checksums
+from knnlm_core.datastore import verify_checksums
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.provenance import check_served_files
-from knnlm_core.search import open_shards
 from knnlm_serve import metrics
 from knnlm_serve.runtime import DatastoreInfo, Runtime, ServedModel, check_datastore, mix_defaults
 from knnlm_serve.server.shard_health import ShardPids
-from knnlm_serve.server.version_actors import VersionActors
+from knnlm_serve.server.version_actors import VersionActors, probe
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -65,13 +62,13 @@ class DatastoreRegistry:
         self._info_labels: set[tuple[str, ...]] = set()
         self._hashed: dict[tuple, str] = {}  # file (device, inode, size, mtime) -> sha256, for versions sharing files
         self._lock = threading.RLock()
-        self._closed = threading.Event()
+        self.closed = threading.Event()
         threading.Thread(target=self._reap_forever, daemon=True, name="knnlm-reaper").start()
 
     def close(self) -> None:
         """Stop the reaper. Called at exit before Ray shuts down: a Ray call after that would
         start a new local Ray cluster in a server that is going away."""
-        self._closed.set()
+        self.closed.set()
 
     def connect(self, engine: EngineLink, model_cpus: dict[str, list[int]] | None = None) -> None:
         """From now on every change reaches the workers (they were attached with the current runtime).
@@ -92,15 +89,25 @@ class DatastoreRegistry:
 
     # -- changes ---------------------------------------------------------------------------------
     def load(
-        self, name: str, path: str | Path, *, make_default: bool = False, key_type: KeyType | None = None, keep_actors: bool = False
+        self,
+        name: str,
+        path: str | Path,
+        *,
+        make_default: bool = False,
+        key_type: KeyType | None = None,
+        keep_actors: bool = False,
+        replacing: DatastoreInfo | None = None,
     ) -> DatastoreInfo:
         """Serve the datastore at `path` as `name`. `keep_actors` (an add's or a forget's new version
-        of the serving one): the serving version's actors serve the shards this one did not change."""
+        of the serving one): the serving version's actors serve the shards this one did not change.
+        `replacing`: only in place of that version (refused as busy once another serves)."""
         if problem := datastore_name_problem(name):
             raise DatastoreError(problem, param="name")
         started = time.monotonic()
         with self._lock:
             old = self.runtime.datastores.get(name)
+            if replacing is not None and old != replacing:
+                raise DatastoreError(f"datastore {name!r} changed while its new version was checked", ErrorKind.BUSY)
             default = name if make_default or not self.runtime.datastores else self.runtime.default
             info = None
             try:
@@ -110,7 +117,8 @@ class DatastoreRegistry:
                     if kept := self._actors.start(info, self.runtime.knn):
                         logger.info("%s@%d: %d shard actor(s) kept from the version before", *info.key, kept)
                     self._keep_off_model(self._actors.of(info.key))
-                self._probe(info)
+                for actor, pid in probe(info, self._actors, self.runtime.knn, self.model.hidden_size).items():
+                    self._shard_pids.remember(actor, pid)  # to notice restarts
                 self._publish({**self.runtime.datastores, name: info}, default)
             except Exception:  # a check, an actor start, the probe or the workers' RPC (a timeout too): undo, raise as it came
                 if info is not None:
@@ -213,28 +221,6 @@ class DatastoreRegistry:
         defaults = mix_defaults(self.runtime.knn, name, calibration)
         return info.model_copy(update={"version": self._versions[name], "defaults": defaults})
 
-    def _probe(self, info: DatastoreInfo) -> None:
-        """One real query through the new version before it may serve."""
-        query = np.random.default_rng(0).normal(size=(1, self.model.hidden_size)).astype(np.float32)
-        try:
-            if self.runtime.knn.backend == "ray":
-                import ray
-
-                names, actors = zip(*self._actors.named(info.key))
-                timeout = self.runtime.knn.shard_timeout_s
-                answers = ray.get([a.search.remote(query, 1, None) for a in actors], timeout=timeout)
-                ok = all(a[1].shape == (1, 1) for a in answers)
-                for name, described in zip(names, ray.get([a.describe.remote() for a in actors], timeout=timeout)):
-                    self._shard_pids.remember(name, described["pid"])  # to notice restarts
-            else:
-                ok = all(s.search(query, 1)[1].shape == (1, 1) for s in open_shards(Path(info.path), read_manifest(info.path)))
-        except Exception as e:  # noqa: BLE001 - any failure of the probe rejects the load
-            self._shard_pids.forget(self._actors.kill(info.key))
-            raise DatastoreError(f"datastore {info.name!r}: probe query failed: {type(e).__name__}: {e}") from None
-        if not ok:
-            self._shard_pids.forget(self._actors.kill(info.key))
-            raise DatastoreError(f"datastore {info.name!r}: probe query returned a malformed answer")
-
     def _publish(self, datastores: dict[str, DatastoreInfo], default: str | None) -> None:
         runtime = self.runtime.model_copy(update={"datastores": datastores, "default": default, "generation": self.runtime.generation + 1})
         if self._engine is not None:
@@ -265,7 +251,7 @@ class DatastoreRegistry:
         Every few seconds, also check the shards' health, which counts actor restarts, and while
         requests come, the versions the workers stopped using."""
         for tick in itertools.count():
-            if self._closed.wait(0.5):
+            if self.closed.wait(0.5):
                 return
             try:
                 if tick % 10 == 0 and self.runtime.knn.backend == "ray":

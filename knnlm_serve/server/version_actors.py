@@ -5,7 +5,14 @@ not keep it), so that handle is held while any version uses the actor, which is 
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+
 from knnlm_core.config import KnnConfig
+from knnlm_core.datastore import read_manifest
+from knnlm_core.errors import DatastoreError
+from knnlm_core.search import open_shards
 from knnlm_serve.retrieval import actor_name, start_shard_actors
 from knnlm_serve.runtime import DatastoreInfo
 
@@ -49,3 +56,25 @@ class VersionActors:
         for name in killed:
             ray.kill(self._held.pop(name), no_restart=True)
         return killed
+
+
+def probe(info: DatastoreInfo, actors: VersionActors, knn: KnnConfig, hidden_size: int) -> dict[str, int]:
+    """One real query through a new version before it may serve; each of its actors' pid."""
+    query = np.random.default_rng(0).normal(size=(1, hidden_size)).astype(np.float32)
+    pids: dict[str, int] = {}
+    try:
+        if knn.backend == "ray":
+            import ray
+
+            names, handles = zip(*actors.named(info.key))
+            answers = ray.get([a.search.remote(query, 1, None) for a in handles], timeout=knn.shard_timeout_s)
+            ok = all(a[1].shape == (1, 1) for a in answers)
+            described = ray.get([a.describe.remote() for a in handles], timeout=knn.shard_timeout_s)
+            pids = {name: d["pid"] for name, d in zip(names, described)}
+        else:
+            ok = all(s.search(query, 1)[1].shape == (1, 1) for s in open_shards(Path(info.path), read_manifest(info.path)))
+    except Exception as e:  # noqa: BLE001 - any failure of the probe rejects the load
+        raise DatastoreError(f"datastore {info.name!r}: probe query failed: {type(e).__name__}: {e}") from None
+    if not ok:
+        raise DatastoreError(f"datastore {info.name!r}: probe query returned a malformed answer")
+    return pids
