@@ -24,7 +24,7 @@ import numpy as np
 from index_builder.build import document_starts, encode_keys, load_tokenizer, tokenize_corpus
 from index_builder.passages import grown_passages, passage_rows
 from index_builder.shards import add_shards
-from index_builder.versions import link_version, prepare_workdir, publish, read_with_documents, replace_array, workdir
+from index_builder.versions import link_version, one_writer, prepare_workdir, publish, read_with_documents, replace_array, workdir
 from knnlm_core.config import BuildConfig
 from knnlm_core.corpus import find_files
 from knnlm_core.datastore import check_compatible, file_entry, load_document_starts, write_manifest
@@ -41,6 +41,7 @@ logger = logging.getLogger("index_builder")
 SCRATCH = "added"  # the new documents' tokens and keys, inside the work directory until publish
 
 
+@one_writer("path")
 def add_documents(
     path: str | Path,
     inputs: list[str | Path],

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from index_builder.passages import refitted_gate
+from index_builder.versions import one_writer
 from knnlm_core.calibration import (
     fit_calibration,
     fit_pointers,
@@ -157,6 +158,7 @@ def build_heldout(root: Path, manifest: Manifest, model_dir: Path, config: Build
     return heldout.tokens, heldout.offsets, f"build: {heldout.description}"
 
 
+@one_writer("datastore")
 def recalibrate(datastore: str | Path, texts: list[str | Path], model_dir: Path, config: BuildConfig, progress: bool = True) -> Manifest:
     """`knnlm-index calibrate`: calibrate an existing datastore on held-out text of the user's, or
     (no texts) again on the slice its build held out."""

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from index_builder.add import quantizer_of
 from index_builder.passages import kept_passages
 from index_builder.shards import add_shards
-from index_builder.versions import prepare_workdir, publish, replace_array, workdir
+from index_builder.versions import one_writer, prepare_workdir, publish, replace_array, workdir
 from knnlm_core.datastore import file_entry, load_document_starts, read_manifest, write_manifest
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.manifest import MANIFEST, QUANTIZER, CompactRecord, Manifest
@@ -49,6 +49,7 @@ def check_compactable(manifest: Manifest, name: str, shards: int | None) -> None
         raise DatastoreError(f"datastore {name} has no added shards and no forgotten documents: it is already compact")
 
 
+@one_writer("path")
 def compact_datastore(path: str | Path, shards: int | None = None, progress: bool = True) -> Manifest:
     """Publish the datastore at `path` without tombstones, in `shards` shards (default: as many as
     its largest build shard's size needs); the new manifest."""

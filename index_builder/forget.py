@@ -25,7 +25,7 @@ import numpy as np
 
 from index_builder.erase import check_erasable, erase_entries
 from index_builder.passages import kept_passages
-from index_builder.versions import link_version, prepare_workdir, publish, read_with_documents, replace_array, workdir
+from index_builder.versions import link_version, one_writer, prepare_workdir, publish, read_with_documents, replace_array, workdir
 from knnlm_core.added_texts import erase_records, is_server_copy
 from knnlm_core.datastore import file_entry, load_document_starts, write_manifest
 from knnlm_core.errors import DatastoreError, ErrorKind
@@ -66,6 +66,7 @@ def find_documents(
     return sorted(found)
 
 
+@one_writer("path")
 def forget_documents(
     path: str | Path,
     *,

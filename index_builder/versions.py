@@ -1,7 +1,10 @@
 """A datastore's next version, made beside it and put in its place at once.
 
 `build`, `add` and `forget` work in a hidden sibling `.<name>.partial`, which a rerun of the same
-command resumes (`prepare_workdir`). `add` and `forget` start it from the serving version's files
+command resumes (`prepare_workdir`). `add`, `forget`, `compact` and `calibrate` hold the
+datastore's writer lock, the hidden sibling `.<name>.lock` (`one_writer`), so a second one
+(another process, another server sharing the directory) is refused at once instead of deleting
+the first one's work or publishing a version made from the one the first replaces. `add` and `forget` start it from the serving version's files
 as hard links (`link_version`): nothing is copied, and a changed file is written under a new
 inode (`replace_array`), never into a link, so the serving version stays byte-identical until the
 finished directory takes its place in one atomic exchange (`publish`).
@@ -11,7 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -19,9 +24,10 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock, Timeout
 
 from knnlm_core.datastore import read_manifest
-from knnlm_core.errors import DatastoreError
+from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.files import write_json_atomic
 from knnlm_core.manifest import MANIFEST, Manifest
 
@@ -40,6 +46,54 @@ def read_with_documents(path: str | Path, job: str) -> tuple[Path, Manifest]:
             f"so it cannot {job}; rebuild it with `knnlm-index build`"
         )
     return root, manifest
+
+
+def writer_lock(datastore: Path) -> FileLock:
+    """The lock a process holds while it writes a version of `datastore`: one instance per path
+    in a process, so a command that runs another (add --recalibrate) takes it again."""
+    return FileLock(datastore.with_name(f".{datastore.name}.lock"), is_singleton=True)
+
+
+def being_written(datastore: Path) -> bool:
+    """Whether another process (or thread) holds `datastore`'s writer lock now."""
+    lock = writer_lock(datastore)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return True
+    lock.release()
+    return False
+
+
+def one_writer(param: str):
+    """Run the decorated command holding the writer lock of the datastore its argument `param`
+    names; refused as busy while another process holds it."""
+
+    def wrap(command):
+        signature = inspect.signature(command)
+
+        @functools.wraps(command)
+        def locked(*args, **kwargs):
+            datastore = Path(signature.bind(*args, **kwargs).arguments[param]).expanduser().resolve()
+            if not datastore.is_dir():  # the command refuses it, naming it
+                return command(*args, **kwargs)
+            lock = writer_lock(datastore)
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                raise DatastoreError(
+                    f"datastore {datastore.name} is being changed by another process (a knnlm-index build, add, forget, "
+                    "compact or calibrate, or a server's add, forget or compact): retry when it is done",
+                    ErrorKind.BUSY,
+                ) from None
+            try:
+                return command(*args, **kwargs)
+            finally:
+                lock.release()
+
+        return locked
+
+    return wrap
 
 
 def workdir(output: Path) -> Path:

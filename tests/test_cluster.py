@@ -12,7 +12,7 @@ import time
 
 import pytest
 import requests
-from conftest import TINY_SERVER, admin_knn, greedy, stream_while, until
+from conftest import TINY_SERVER, admin_knn, greedy, starting, stream_while, until
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -75,6 +75,13 @@ def serve(tiny_model_dir, cluster, root, workdir: str, **knn_settings):
 
 
 @pytest.fixture(scope="module")
+def second_start(tiny_model_dir, cluster, root):
+    """A second server of the same datastore on the cluster, starting beside the first."""
+    with starting(serve(tiny_model_dir, cluster, root, "second")) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
 def server(tiny_model_dir, cluster, root):
     with serve(tiny_model_dir, cluster, root, "server") as server:
         yield server
@@ -106,15 +113,17 @@ def test_a_server_without_a_ray_address_starts_its_own_ray_beside_a_running_clus
     assert started.stdout.split()[-1] != cluster["cluster"].address
 
 
-def test_a_second_server_of_the_datastore_on_the_cluster_keeps_its_own_shard_actors(tiny_model_dir, cluster, root, server, ids):
+def test_a_second_server_of_the_datastore_on_the_cluster_keeps_its_own_shard_actors(second_start, server, ids):
     """Replicas of one deployment behind a load balancer: each server's shard actors are its own
     without a setting, so what one server does to its datastore costs the other nothing."""
-    before = fallbacks(server)
-    with serve(tiny_model_dir, cluster, root, "second") as second:  # serves `main` from the same files
+    before, second = fallbacks(server), second_start.result()  # it serves `main` from the same files
+    try:
         assert complete(second, ids) == complete(server, ids) == ids["a"]
         namespaces = {admin(s, "GET", "/health").json()["ray_namespace"] for s in (server, second)}
         assert admin(second, "DELETE", "/datastores/main").status_code == 200  # its actors stop once released
         until(lambda: admin(second, "GET", "/datastores").json()["datastores"] == [], 60, "the unloaded version was never released")
+    finally:
+        second.__exit__(None, None, None)  # the rest of the module runs beside no other server
     assert complete(server, ids) == ids["a"] and fallbacks(server) == before
     assert admin(server, "GET", "/health").json()["healthy"]
     assert len(namespaces) == 2, namespaces

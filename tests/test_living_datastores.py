@@ -149,6 +149,30 @@ def test_a_killed_add_leaves_the_datastore_byte_identical_and_a_rerun_completes(
     }
 
 
+def test_a_second_writer_is_refused_while_an_add_runs_and_the_add_lands_whole(corpus, tiny_model_dir, tmp_path):
+    """Two processes changing one datastore (servers sharing its directory, or knnlm-index beside a
+    server): the second is refused at once, naming why, instead of deleting the first one's work or
+    publishing a version made from the one the first replaces (a forget undone by an add)."""
+    root = build(corpus, tiny_model_dir, tmp_path / "ds")
+    more = write_corpus(tmp_path / "more", ("collections", "typing"))
+    args = ["add", str(root), str(more), "--model", str(tiny_model_dir), "--batch-size", "1", "--quiet"]
+    progress_file = tmp_path / ".ds.partial/added/encode.json"
+    child = subprocess.Popen([sys.executable, "-m", "index_builder.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and child.poll() is None and not progress_file.exists():
+        time.sleep(0.005)
+    assert child.poll() is None, "the add finished before a second writer could try"
+    refused = knnlm_index("forget", str(root), "--document", "1")
+    assert refused.returncode == 1 and "being changed by another process" in refused.stderr, refused.stderr
+    assert child.wait(timeout=600) == 0, child.stderr.read().decode()
+    manifest = read_manifest(root)
+    assert len(manifest.additions) == 1 and manifest.forgotten == []
+    again = knnlm_index("forget", str(root), "--document", "1")  # once the add is done, made from its version
+    assert again.returncode == 0, again.stderr
+    manifest = read_manifest(root)
+    assert len(manifest.additions) == 1 and [r.document for r in manifest.forgotten] == [1]
+
+
 def test_a_killed_forget_leaves_the_datastore_byte_identical_and_a_rerun_completes(corpus, tiny_model_dir, tmp_path):
     """SIGKILL as soon as the next version's work directory appears (retried on a fresh copy if
     the forget finished first): the serving version is untouched, and the same command completes."""

@@ -357,3 +357,22 @@ def test_a_broken_version_written_into_a_serving_directory_is_logged_and_not_fol
         staged.replace(manifest)
     time.sleep(3)  # three of the follower's checks: the version it serves is on disk again, nothing to load
     assert listed(server, "flat")["version"] == before["version"] and refusals() == logged + 1
+
+
+def test_a_datastore_another_process_is_changing_refuses_add_forget_and_compact_with_429s_and_keeps_nothing(server, root):
+    """Another server sharing the directory, or knnlm-index, holds the datastore's writer lock."""
+    from index_builder.versions import writer_lock
+
+    before, texts = listed(server, "flat"), root / ".knnlm-added" / "flat"
+    kept = sorted(texts.iterdir()) if texts.exists() else []
+    calls = [
+        ("POST", "/datastores/flat/documents", {"texts": [{"text": "a text that must not be kept"}]}),
+        ("DELETE", "/datastores/flat/documents/0", {}),
+        ("POST", "/datastores/flat/compact", {}),
+    ]
+    with writer_lock(root / "flat"):
+        for method, route, body in calls:
+            response = admin(server, method, route, **body)
+            assert response.status_code == 429 and "being changed by another process" in response.text, response.text
+    assert listed(server, "flat") == before
+    assert (sorted(texts.iterdir()) if texts.exists() else []) == kept

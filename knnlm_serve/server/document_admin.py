@@ -38,7 +38,7 @@ from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.provenance import DocumentTable
 from knnlm_serve.server.admin_access import admin_registry, parse_body, resolve_in_root
-from knnlm_serve.server.document_jobs import DocumentJobs, run_child_job
+from knnlm_serve.server.document_jobs import DocumentJobs, Job, run_child_job
 from knnlm_serve.server.http_errors import http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
@@ -92,7 +92,7 @@ def add_documents(
         body = parse_body(AddRequest, raw)
         info = registry.serving(name)
         files = _input_paths(registry, body)
-        job = jobs.begin(name, "add")
+        job = _begin(jobs, name, "add", info.path)
     except KnnlmError as e:
         raise http_error(e, registry) from None
     texts = None
@@ -118,7 +118,7 @@ def compact(name: str, request: Request, raw: dict | None = Body(None), registry
     try:
         body = parse_body(CompactRequest, raw)
         info = registry.serving(name)
-        job = jobs.begin(name, "compact")
+        job = _begin(jobs, name, "compact", info.path)
     except KnnlmError as e:
         raise http_error(e, registry) from None
     try:
@@ -174,6 +174,23 @@ def forget_document(
     jobs.end(job, started)
     untouched = [] if is_server_copy(record.source) else [registry.public(record.source)]
     return {**asdict(job), "untouched": untouched}
+
+
+def _begin(jobs: DocumentJobs, name: str, kind: str, path: str) -> Job:
+    """This server's job slot for the datastore, refused (busy) while another process writes it: the
+    job's child would be refused the same way, after the request was answered."""
+    from index_builder.versions import being_written
+
+    job = jobs.begin(name, kind)
+    if being_written(Path(path)):
+        error = KnnlmError(
+            f"datastore {name!r} is being changed by another process (another server's add, forget or compact, or a "
+            "knnlm-index command): retry when it is done",
+            ErrorKind.BUSY,
+        )
+        jobs.end(job, time.monotonic(), str(error))
+        raise error
+    return job
 
 
 def _input_paths(registry: DatastoreRegistry, body: AddRequest) -> list[str]:
