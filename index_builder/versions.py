@@ -1,13 +1,15 @@
 """A datastore's next version, made beside it and put in its place at once.
 
 `build`, `add` and `forget` work in a hidden sibling `.<name>.partial`, which a rerun of the same
-command resumes (`prepare_workdir`). `add`, `forget`, `compact` and `calibrate` hold the
-datastore's writer lock, the hidden sibling `.<name>.lock` (`one_writer`), so a second one
-(another process, another server sharing the directory) is refused at once instead of deleting
-the first one's work or publishing a version made from the one the first replaces. `add` and `forget` start it from the serving version's files
+command resumes (`prepare_workdir`). `add` and `forget` start it from the serving version's files
 as hard links (`link_version`): nothing is copied, and a changed file is written under a new
 inode (`replace_array`), never into a link, so the serving version stays byte-identical until the
 finished directory takes its place in one atomic exchange (`publish`).
+
+`add`, `forget`, `compact` and `calibrate` hold the datastore's writer lock, the hidden sibling
+`.<name>.lock` (`one_writer`), so a second one (another process, another server sharing the
+directory) is refused at once instead of deleting the first one's work or publishing a version
+made from the one the first replaces.
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ def one_writer(param: str):
                 lock.acquire(timeout=0)
             except Timeout:
                 raise DatastoreError(
-                    f"datastore {datastore.name} is being changed by another process (a knnlm-index build, add, forget, "
-                    "compact or calibrate, or a server's add, forget or compact): retry when it is done",
+                    f"datastore {datastore.name} is being changed by another process (a knnlm-index add, forget, compact "
+                    "or calibrate, or a server's): retry when it is done",
                     ErrorKind.BUSY,
                 ) from None
             try:
