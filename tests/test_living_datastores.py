@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,12 +25,17 @@ from index_builder.build import build_datastore
 from index_builder.erase import stored_vectors
 from index_builder.forget import forget_documents
 from index_builder.verify import verify_datastore
+from index_builder.versions import writer_lock
+from knnlm_core.config import KnnConfig
 from knnlm_core.datastore import load_document_starts, read_manifest, verify_checksums
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.keys import KeyEncoder
 from knnlm_core.provenance import Provenance
 from knnlm_core.search import merge_topk, open_shards
 from knnlm_core.shard_keys import shard_keys
+from knnlm_serve.runtime import ServedModel
+from knnlm_serve.server.document_admin import sweep_added_texts
+from knnlm_serve.server.registry import DatastoreRegistry
 
 FACT = "The vault of the lighthouse opens with the words: zebra quartz maple lantern orbit velvet."
 
@@ -171,6 +177,37 @@ def test_a_second_writer_is_refused_while_an_add_runs_and_the_add_lands_whole(co
     assert again.returncode == 0, again.stderr
     manifest = read_manifest(root)
     assert len(manifest.additions) == 1 and [r.document for r in manifest.forgotten] == [1]
+
+
+def test_the_start_sweep_keeps_the_texts_of_a_datastore_another_process_is_changing(corpus, tiny_model_dir, tmp_path):
+    """Servers sharing knn.datastore_root: one starting while another's add runs keeps that add's
+    texts file (no version names it yet), and removes it at a start when no add runs."""
+    root = build(corpus, tiny_model_dir, tmp_path / "ds")
+    texts = tmp_path / ".knnlm-added" / "ds" / "20261128T000000-pending.jsonl"
+    texts.parent.mkdir(parents=True)
+    texts.write_text(json.dumps({"text": "the text of an add another server is running"}) + "\n")
+    registry = DatastoreRegistry(KnnConfig(backend="local", datastore_root=str(tmp_path)), ServedModel.inspect(tiny_model_dir), None)
+    held, done = threading.Event(), threading.Event()
+
+    def other_writer() -> None:  # the lock held apart from this thread, as another process holds it
+        with writer_lock(root):
+            held.set()
+            done.wait(60)
+
+    try:
+        registry.load("ds", root)
+        writer = threading.Thread(target=other_writer)
+        writer.start()
+        assert held.wait(60)
+        sweep_added_texts(registry)
+        assert texts.exists()
+        done.set()
+        writer.join()
+        sweep_added_texts(registry)
+        assert not texts.exists()
+    finally:
+        done.set()
+        registry.close()
 
 
 def test_a_killed_forget_leaves_the_datastore_byte_identical_and_a_rerun_completes(corpus, tiny_model_dir, tmp_path):

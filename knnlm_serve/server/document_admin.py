@@ -219,21 +219,27 @@ def _write_texts(registry: DatastoreRegistry, name: str, texts: list[AddedText])
 
 
 def _discard_add(path: str, texts: Path | None) -> None:
-    """What a failed add wrote: its texts file, and the work directory it would have resumed from."""
-    from index_builder.versions import workdir
+    """What a failed add wrote: its texts file, and the work directory it would have resumed from
+    (unless another process now writes the datastore: the work directory is that one's)."""
+    from index_builder.versions import being_written, workdir
 
     if texts is not None:
         texts.unlink(missing_ok=True)
     work = workdir(Path(path))
     marker = work / "build.json"
-    if marker.exists() and json.loads(marker.read_text()).get("job") == "add":
+    if marker.exists() and json.loads(marker.read_text()).get("job") == "add" and not being_written(Path(path)):
         shutil.rmtree(work, ignore_errors=True)
 
 
 def sweep_added_texts(registry: DatastoreRegistry) -> None:
     """At start: for each serving datastore, remove its texts files that its provenance does not
     name (an add that never served) and erase the records of its forgotten documents (a forget
-    interrupted before it erased them). Files of a name that is not serving are only reported."""
+    interrupted before it erased them). Files of a name that is not serving are only reported, and
+    those of a datastore another process is changing (another server's add) are left to the next start."""
+    from filelock import Timeout
+
+    from index_builder.versions import writer_lock
+
     root = registry.config.datastore_root
     if not root:
         return
@@ -245,14 +251,27 @@ def sweep_added_texts(registry: DatastoreRegistry) -> None:
             )
             continue
         path = Path(registry.serving(folder.name).path)
-        manifest = read_manifest(path)
-        if manifest.provenance is None:
+        lock = writer_lock(path)
+        try:
+            lock.acquire(timeout=0)  # held through the sweep: no add of another process starts meanwhile
+        except Timeout:
+            logger.info("%s: datastore %r is being changed by another process; its texts are swept at the next start", folder, folder.name)
             continue
-        served = served_records(DocumentTable.read(path / manifest.provenance.path), {r.document for r in manifest.forgotten})
-        unnamed, stale = orphaned_records(folder, served)
-        for path in unnamed:
-            path.unlink()
-            logger.info("removed %s: no document of datastore %r comes from it (an add that never served)", path, folder.name)
-        for path, lines in stale.items():
-            erase_records(path, lines)
-            logger.info("erased %d forgotten record(s) of datastore %r from %s", len(lines), folder.name, path)
+        try:
+            _sweep_folder(folder, path)
+        finally:
+            lock.release()
+
+
+def _sweep_folder(folder: Path, datastore: Path) -> None:
+    manifest = read_manifest(datastore)
+    if manifest.provenance is None:
+        return
+    served = served_records(DocumentTable.read(datastore / manifest.provenance.path), {r.document for r in manifest.forgotten})
+    unnamed, stale = orphaned_records(folder, served)
+    for path in unnamed:
+        path.unlink()
+        logger.info("removed %s: no document of datastore %r comes from it (an add that never served)", path, folder.name)
+    for path, lines in stale.items():
+        erase_records(path, lines)
+        logger.info("erased %d forgotten record(s) of datastore %r from %s", len(lines), folder.name, path)
