@@ -56,15 +56,31 @@ def writer_lock(datastore: Path) -> FileLock:
     return FileLock(datastore.with_name(f".{datastore.name}.lock"), is_singleton=True)
 
 
-def being_written(datastore: Path) -> bool:
-    """Whether another process (or thread) holds `datastore`'s writer lock now."""
+def taken_writer_lock(datastore: Path) -> FileLock | None:
+    """`datastore`'s writer lock, taken by this thread; None while another process (or thread) holds it."""
     lock = writer_lock(datastore)
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        return True
-    lock.release()
-    return False
+        return None
+    return lock
+
+
+def being_written(datastore: Path) -> bool:
+    """Whether another process (or thread) holds `datastore`'s writer lock now."""
+    lock = taken_writer_lock(datastore)
+    if lock is not None:
+        lock.release()
+    return lock is None
+
+
+def busy_error(name: str) -> DatastoreError:
+    """The refusal of a change to a datastore another process is changing."""
+    return DatastoreError(
+        f"datastore {name!r} is being changed by another process (another server's add, forget or compact, or a "
+        "knnlm-index add, forget, compact or calibrate): retry when it is done",
+        ErrorKind.BUSY,
+    )
 
 
 def one_writer(param: str):
@@ -79,15 +95,9 @@ def one_writer(param: str):
             datastore = Path(signature.bind(*args, **kwargs).arguments[param]).expanduser().resolve()
             if not datastore.is_dir():  # the command refuses it, naming it
                 return command(*args, **kwargs)
-            lock = writer_lock(datastore)
-            try:
-                lock.acquire(timeout=0)
-            except Timeout:
-                raise DatastoreError(
-                    f"datastore {datastore.name} is being changed by another process (a knnlm-index add, forget, compact "
-                    "or calibrate, or a server's): retry when it is done",
-                    ErrorKind.BUSY,
-                ) from None
+            lock = taken_writer_lock(datastore)
+            if lock is None:
+                raise busy_error(datastore.name)
             try:
                 return command(*args, **kwargs)
             finally:

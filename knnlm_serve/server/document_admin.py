@@ -179,15 +179,11 @@ def forget_document(
 def _begin(jobs: DocumentJobs, name: str, kind: str, path: str) -> Job:
     """This server's job slot for the datastore, refused (busy) while another process writes it: the
     job's child would be refused the same way, after the request was answered."""
-    from index_builder.versions import being_written
+    from index_builder.versions import being_written, busy_error
 
     job = jobs.begin(name, kind)
     if being_written(Path(path)):
-        error = KnnlmError(
-            f"datastore {name!r} is being changed by another process (another server's add, forget or compact, or a "
-            "knnlm-index command): retry when it is done",
-            ErrorKind.BUSY,
-        )
+        error = busy_error(name)
         jobs.end(job, time.monotonic(), str(error))
         raise error
     return job
@@ -236,9 +232,7 @@ def sweep_added_texts(registry: DatastoreRegistry) -> None:
     name (an add that never served) and erase the records of its forgotten documents (a forget
     interrupted before it erased them). Files of a name that is not serving are only reported, and
     those of a datastore another process is changing (another server's add) are left to the next start."""
-    from filelock import Timeout
-
-    from index_builder.versions import writer_lock
+    from index_builder.versions import taken_writer_lock
 
     root = registry.config.datastore_root
     if not root:
@@ -251,10 +245,8 @@ def sweep_added_texts(registry: DatastoreRegistry) -> None:
             )
             continue
         path = Path(registry.serving(folder.name).path)
-        lock = writer_lock(path)
-        try:
-            lock.acquire(timeout=0)  # held through the sweep: no add of another process starts meanwhile
-        except Timeout:
+        lock = taken_writer_lock(path)  # held through the sweep: no add of another process starts meanwhile
+        if lock is None:
             logger.info("%s: datastore %r is being changed by another process; its texts are swept at the next start", folder, folder.name)
             continue
         try:
