@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,13 +28,6 @@ def make_tiny_llama(out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
 def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
-
-# Test servers run vLLM's worker inside its engine-core process (vLLM's in-process executor): a
-# start then imports vLLM twice, not three times. The servers of the features that depend on the
-# process layout `knnlm-serve` runs by default (compiled graphs, overlap, drafts, the default
-# config) pass PRODUCTION_LAYOUT.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-PRODUCTION_LAYOUT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 TINY_SERVER = {"served_model_name": "tiny", "enforce_eager": True, "kv_cache_gib": 0.25, "max_model_len": 512}
 # kNN settings every test server takes unless it tests fail-open itself: an error in kNN's per-step

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-from conftest import PRODUCTION_LAYOUT, until
+from conftest import until
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -44,7 +44,7 @@ def default_server(root):
     config = yaml.safe_load(open("configs/default.yaml"))
     knn = {**config["knn"], "datastores": {**config["knn"]["datastores"], "facts": str(root / "facts")}}
     knn |= {"admin_token": TOKEN, "datastore_root": str(root)}
-    with RunningServer({**config, "knn": knn, "kv_cache_gib": 0.5}, root, startup_timeout=900, env=PRODUCTION_LAYOUT) as server:
+    with RunningServer({**config, "knn": knn, "kv_cache_gib": 0.5}, root, startup_timeout=900) as server:
         yield server
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from conftest import PRODUCTION_LAYOUT, STRICT_KNN, TINY_SERVER, greedy, prompt_logprobs, starting
+from conftest import STRICT_KNN, TINY_SERVER, greedy, prompt_logprobs, starting
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -74,7 +74,7 @@ def fast_start(knn_settings, tiny_model_dir, tmp_path_factory):
         "knn": knn,
         "vllm_args": ["--speculative-config", json.dumps(drafts)],
     }
-    with starting(RunningServer(config, tmp_path_factory.mktemp("fast"), env=PRODUCTION_LAYOUT)) as start:
+    with starting(RunningServer(config, tmp_path_factory.mktemp("fast"))) as start:
         yield start
 
 
