@@ -9,7 +9,8 @@ finished directory takes its place in one atomic exchange (`publish`).
 `add`, `forget`, `compact` and `calibrate` hold the datastore's writer lock, the hidden sibling
 `.<name>.lock` (`one_writer`), so a second one (another process, another server sharing the
 directory) is refused at once instead of deleting the first one's work or publishing a version
-made from the one the first replaces.
+made from the one the first replaces. A server's add or compact takes the lock itself before it
+answers and runs the command in a child that it holds the lock for (`lock_held_for_child`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ def being_written(datastore: Path) -> bool:
     return lock is None
 
 
+LOCK_HELD_BY_PARENT = "KNNLM_WRITER_LOCK_HELD_BY"  # "<parent pid>:<datastore>" (lock_held_for_child)
+
+
+def lock_held_for_child(datastore: Path) -> dict[str, str]:
+    """The environment of a child process that runs a command on `datastore` while this process
+    holds its writer lock (and stays alive until the child exits)."""
+    return {LOCK_HELD_BY_PARENT: f"{os.getpid()}:{datastore.expanduser().resolve()}"}
+
+
+def _held_by_parent(datastore: Path) -> bool:
+    return os.environ.get(LOCK_HELD_BY_PARENT) == f"{os.getppid()}:{datastore}"
+
+
 def busy_error(name: str) -> DatastoreError:
     """The refusal of a change to a datastore another process is changing."""
     return DatastoreError(
@@ -85,7 +99,8 @@ def busy_error(name: str) -> DatastoreError:
 
 def one_writer(param: str):
     """Run the decorated command holding the writer lock of the datastore its argument `param`
-    names; refused as busy while another process holds it."""
+    names (or with the lock its parent process holds for it); refused as busy while another
+    process holds it."""
 
     def wrap(command):
         signature = inspect.signature(command)
@@ -93,7 +108,7 @@ def one_writer(param: str):
         @functools.wraps(command)
         def locked(*args, **kwargs):
             datastore = Path(signature.bind(*args, **kwargs).arguments[param]).expanduser().resolve()
-            if not datastore.is_dir():  # the command refuses it, naming it
+            if not datastore.is_dir() or _held_by_parent(datastore):  # refused by the command, naming it; held for us
                 return command(*args, **kwargs)
             lock = taken_writer_lock(datastore)
             if lock is None:

@@ -236,11 +236,16 @@ def add_children(server) -> list[psutil.Process]:
     return found
 
 
-def test_a_killed_add_leaves_no_texts_file_and_no_work_directory(server, root):
+def test_an_add_holds_the_datastore_from_its_answer_on_and_a_killed_one_leaves_no_texts_file_and_no_work_directory(server, root):
+    """From the 202 on, the datastore's writer lock is held (by the job, then for its child): no
+    other process's writer or start-up sweep comes in before the child has started."""
+    from index_builder.versions import being_written
+
     folder = root / ".knnlm-added/flat"
     before = set(folder.glob("*")) if folder.exists() else set()
     response = admin(server, "POST", "/datastores/flat/documents", texts=[{"text": FACT.replace("zebra", "ocelot"), "id": "killed"}])
     assert response.status_code == 202, response.text
+    assert being_written(root / "flat")
     children = []
     until(lambda: children.extend(add_children(server)) or children, 60, "the add's child process never started")
     assert set(folder.glob("*")) - before  # its texts file was written
@@ -248,6 +253,7 @@ def test_a_killed_add_leaves_no_texts_file_and_no_work_directory(server, root):
     job = job_of(server, response)
     assert job["state"] == "failed"
     assert set(folder.glob("*")) == before and not (root / ".flat.partial").exists()
+    assert not being_written(root / "flat")  # released with the job
 
 
 def test_the_compact_route_serves_what_knnlm_index_compact_makes_under_sixteen_streaming_clients(server, root, ids):

@@ -10,10 +10,11 @@ An add or a compact runs `knnlm-index` in a child process (server/document_jobs.
 the new version like any hot-swap: requests already running finish on the version they started
 on. `paths` lie below `knn.datastore_root`; `texts` ({text, id?}) are kept as a .jsonl file below
 `<knn.datastore_root>/.knnlm-added/<name>/` (knnlm_core/added_texts.py), the source provenance
-names, written once the add holds the datastore's job slot and removed if its child fails. A forget
+names, written once the add holds the datastore (this server's job slot, and the writer lock that
+keeps out every other process) and removed if its child fails. A forget
 erases the document's record from that file; the user's own files (`paths`) are never touched.
 At start, `sweep_added_texts` removes what no serving version needs. One job runs per datastore
-at a time; another is refused with a 429.
+at a time, across processes; another is refused with a 429.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.provenance import DocumentTable
 from knnlm_serve.server.admin_access import admin_registry, parse_body, resolve_in_root
-from knnlm_serve.server.document_jobs import DocumentJobs, Job, run_child_job
+from knnlm_serve.server.document_jobs import DocumentJobs, start_child_job
 from knnlm_serve.server.http_errors import http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
@@ -92,21 +93,24 @@ def add_documents(
         body = parse_body(AddRequest, raw)
         info = registry.serving(name)
         files = _input_paths(registry, body)
-        job = _begin(jobs, name, "add", info.path)
+        job = jobs.begin(name, "add")
     except KnnlmError as e:
         raise http_error(e, registry) from None
-    texts = None
-    try:
+    texts: list[Path] = []  # written once the job holds the datastore
+
+    def prepare() -> list[str]:
         if body.texts:
-            texts = _write_texts(registry, name, body.texts)
-            files.append(str(texts))
-    except OSError as e:
-        jobs.end(job, time.monotonic(), f"could not keep the texts: {e}")
-        raise http_error(KnnlmError(f"could not keep the texts below knn.datastore_root: {e}", ErrorKind.UNAVAILABLE), registry) from None
-    command = [sys.executable, "-m", "index_builder.cli", "add", info.path, *files, "--model", str(registry.model.path)]
-    command += ["--recalibrate"] if body.recalibrate else []
-    on_failure = lambda: _discard_add(info.path, texts)  # noqa: E731
-    threading.Thread(target=run_child_job, args=(jobs, job, registry, info.path, command, on_failure), daemon=True).start()
+            try:
+                texts.append(_write_texts(registry, name, body.texts))
+            except OSError as e:
+                raise KnnlmError(f"could not keep the texts below knn.datastore_root: {e}", ErrorKind.UNAVAILABLE) from None
+        command = [sys.executable, "-m", "index_builder.cli", "add", info.path, *files, *map(str, texts)]
+        return command + ["--model", str(registry.model.path)] + (["--recalibrate"] if body.recalibrate else [])
+
+    try:
+        start_child_job(jobs, job, registry, info.path, prepare, lambda: _discard_add(info.path, texts))
+    except KnnlmError as e:
+        raise http_error(e, registry) from None
     return asdict(job)
 
 
@@ -118,17 +122,18 @@ def compact(name: str, request: Request, raw: dict | None = Body(None), registry
     try:
         body = parse_body(CompactRequest, raw)
         info = registry.serving(name)
-        job = _begin(jobs, name, "compact", info.path)
+        job = jobs.begin(name, "compact")
     except KnnlmError as e:
         raise http_error(e, registry) from None
-    try:
+
+    def prepare() -> list[str]:
         check_compactable(read_manifest(Path(info.path)), name, body.shards)
+        return [sys.executable, "-m", "index_builder.cli", "compact", info.path] + (["--shards", str(body.shards)] if body.shards else [])
+
+    try:
+        start_child_job(jobs, job, registry, info.path, prepare, lambda: None)
     except KnnlmError as e:
-        jobs.end(job, time.monotonic(), registry.public(str(e)))
         raise http_error(e, registry) from None
-    command = [sys.executable, "-m", "index_builder.cli", "compact", info.path]
-    command += ["--shards", str(body.shards)] if body.shards else []
-    threading.Thread(target=run_child_job, args=(jobs, job, registry, info.path, command, lambda: None), daemon=True).start()
     return asdict(job)
 
 
@@ -176,19 +181,6 @@ def forget_document(
     return {**asdict(job), "untouched": untouched}
 
 
-def _begin(jobs: DocumentJobs, name: str, kind: str, path: str) -> Job:
-    """This server's job slot for the datastore, refused (busy) while another process writes it: the
-    job's child would be refused the same way, after the request was answered."""
-    from index_builder.versions import being_written, busy_error
-
-    job = jobs.begin(name, kind)
-    if being_written(Path(path)):
-        error = busy_error(name)
-        jobs.end(job, time.monotonic(), str(error))
-        raise error
-    return job
-
-
 def _input_paths(registry: DatastoreRegistry, body: AddRequest) -> list[str]:
     """The add's input files, checked to exist below the root (the texts are written once the job starts)."""
     if not body.paths and not body.texts:
@@ -214,16 +206,16 @@ def _write_texts(registry: DatastoreRegistry, name: str, texts: list[AddedText])
     return file
 
 
-def _discard_add(path: str, texts: Path | None) -> None:
-    """What a failed add wrote: its texts file, and the work directory it would have resumed from
-    (unless another process now writes the datastore: the work directory is that one's)."""
-    from index_builder.versions import being_written, workdir
+def _discard_add(path: str, texts: list[Path]) -> None:
+    """What a failed add wrote (its job still holds the datastore): its texts file, and the work
+    directory it would have resumed from."""
+    from index_builder.versions import workdir
 
-    if texts is not None:
-        texts.unlink(missing_ok=True)
+    for file in texts:
+        file.unlink(missing_ok=True)
     work = workdir(Path(path))
     marker = work / "build.json"
-    if marker.exists() and json.loads(marker.read_text()).get("job") == "add" and not being_written(Path(path)):
+    if marker.exists() and json.loads(marker.read_text()).get("job") == "add":
         shutil.rmtree(work, ignore_errors=True)
 
 

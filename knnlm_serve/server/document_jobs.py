@@ -2,7 +2,11 @@
 state for `GET /v1/knn/jobs/{job}`, and the child process an add or a compact runs in.
 
 A child (`knnlm-index add` or `compact`) has its own memory and a lower priority than serving;
-its progress lines become the job's, and its result is loaded like any hot-swap. A job whose child
+its progress lines become the job's, and its result is loaded like any hot-swap. The job's thread
+holds the datastore's writer lock from before the request is answered until the new version is
+loaded, and the child works under it: no other writer, and no start-up sweep of another server,
+comes in between. The child dies with that thread, so the lock never outlives the server while its
+child still writes. A job whose child
 fails (exits with an error, or is killed) runs its `on_failure`, which removes what it wrote (an
 add's texts file and work directory), so it leaves nothing behind. Once the child has exited
 well, its version is the datastore's directory: a load that fails then keeps every file that
@@ -11,22 +15,29 @@ version names, and the job's error says how to serve it.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve import metrics
 from knnlm_serve.server.registry import DatastoreRegistry
 
 logger = logging.getLogger("knnlm_serve")
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: a forked child should not load libraries
 
 
 @dataclass
@@ -77,14 +88,76 @@ class DocumentJobs:
             self._busy.discard(job.datastore)
 
 
-def run_child_job(
-    jobs: DocumentJobs, job: Job, registry: DatastoreRegistry, path: str, command: list[str], on_failure: Callable[[], None]
+def start_child_job(
+    jobs: DocumentJobs,
+    job: Job,
+    registry: DatastoreRegistry,
+    path: str,
+    prepare: Callable[[], list[str]],
+    on_failure: Callable[[], None],
+) -> None:
+    """Start the job's thread and return once it holds the datastore's writer lock and `prepare`
+    (which writes the job's inputs) has given the command; raises, with the job ended, where the
+    lock is another process's (busy) or `prepare` fails."""
+    ready: Future = Future()
+    threading.Thread(target=_run_locked, args=(jobs, job, registry, path, prepare, on_failure, ready), daemon=True).start()
+    ready.result()
+
+
+def _run_locked(jobs, job, registry, path, prepare, on_failure, ready: Future) -> None:
+    from index_builder.versions import busy_error, lock_held_for_child, taken_writer_lock
+
+    started = time.monotonic()
+    try:
+        lock = taken_writer_lock(Path(path))
+        if lock is None:
+            raise busy_error(job.datastore)
+    except Exception as e:  # noqa: BLE001 - the request's answer
+        jobs.end(job, started, registry.public(str(e)))
+        ready.set_exception(e)
+        return
+    try:
+        try:
+            command = prepare()
+        except Exception as e:  # noqa: BLE001 - the request's answer
+            jobs.end(job, started, registry.public(str(e)))
+            ready.set_exception(e)
+            return
+        ready.set_result(None)
+        _run_child(jobs, job, registry, path, command, on_failure, lock_held_for_child(Path(path)))
+    finally:
+        lock.release()
+
+
+def _child_of_this_thread(parent: int) -> None:
+    """In the child before it runs: a lower priority than serving, and killed when the thread that
+    started it ends (the server's death included), so it never writes without the lock."""
+    os.nice(10)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the server died before the line above
+        os._exit(1)
+
+
+def _run_child(
+    jobs: DocumentJobs,
+    job: Job,
+    registry: DatastoreRegistry,
+    path: str,
+    command: list[str],
+    on_failure: Callable[[], None],
+    env: dict[str, str],
 ) -> None:
     """Run `command` (a knnlm-index job on the datastore at `path`, printing its audit record as
-    JSON), then serve the new version; `on_failure` runs if the child fails."""
-    started, published = time.monotonic(), False
+    JSON) with `env` added, then serve the new version; `on_failure` runs if the child fails."""
+    started, published, parent = time.monotonic(), False, os.getpid()
     try:
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=lambda: os.nice(10))  # serving first
+        child = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, **env},
+            preexec_fn=lambda: _child_of_this_thread(parent),
+        )
         errors = _follow(child, job)
         if child.wait() != 0:
             raise KnnlmError(errors or f"knnlm-index {job.kind} exited with status {child.returncode}")
