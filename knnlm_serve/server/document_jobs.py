@@ -37,7 +37,9 @@ from knnlm_serve.server.registry import DatastoreRegistry
 logger = logging.getLogger("knnlm_serve")
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: a forked child should not load libraries
+# Looked up here: a forked child should not load libraries. Linux only (elsewhere a child outlives
+# a killed server, holding no lock).
+_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
 
 
 @dataclass
@@ -133,7 +135,8 @@ def _child_of_this_thread(parent: int) -> None:
     """In the child before it runs: a lower priority than serving, and killed when the thread that
     started it ends (the server's death included), so it never writes without the lock."""
     os.nice(10)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the server died before the line above
         os._exit(1)
 
