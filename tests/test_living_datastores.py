@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -34,7 +35,7 @@ from knnlm_core.provenance import Provenance
 from knnlm_core.search import merge_topk, open_shards
 from knnlm_core.shard_keys import shard_keys
 from knnlm_serve.runtime import ServedModel
-from knnlm_serve.server.document_admin import sweep_added_texts
+from knnlm_serve.server.document_admin import AddedText, sweep_added_texts, write_added_texts
 from knnlm_serve.server.registry import DatastoreRegistry
 
 FACT = "The vault of the lighthouse opens with the words: zebra quartz maple lantern orbit velvet."
@@ -208,6 +209,23 @@ def test_the_start_sweep_keeps_the_texts_of_a_datastore_another_process_is_chang
     finally:
         done.set()
         registry.close()
+
+
+def test_texts_that_cannot_all_be_written_leave_no_part_of_them_on_disk(tmp_path):
+    """An add's texts hit a full disk part-way (here a file-size limit: the write fails with EFBIG
+    after its first megabyte): the add is refused and no partial texts file stays behind."""
+    secret = "a record the disk had no room for " * 100_000
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal's default exit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, limit[1]))
+    try:
+        with pytest.raises(OSError):
+            write_added_texts(str(tmp_path), "ds", [AddedText(text=secret)])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert (tmp_path / ".knnlm-added" / "ds").is_dir()
+    assert list((tmp_path / ".knnlm-added" / "ds").iterdir()) == []
 
 
 def test_a_killed_forget_leaves_the_datastore_byte_identical_and_a_rerun_completes(corpus, tiny_model_dir, tmp_path):

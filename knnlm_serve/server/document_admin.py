@@ -101,7 +101,7 @@ def add_documents(
     def prepare() -> list[str]:
         if body.texts:
             try:
-                texts.append(_write_texts(registry, name, body.texts))
+                texts.append(write_added_texts(registry.config.datastore_root, name, body.texts))
             except OSError as e:
                 raise KnnlmError(f"could not keep the texts below knn.datastore_root: {e}", ErrorKind.UNAVAILABLE) from None
         command = [sys.executable, "-m", "index_builder.cli", "add", info.path, *files, *map(str, texts)]
@@ -198,11 +198,17 @@ def _input_paths(registry: DatastoreRegistry, body: AddRequest) -> list[str]:
     return [str(f) for f in files]
 
 
-def _write_texts(registry: DatastoreRegistry, name: str, texts: list[AddedText]) -> Path:
-    folder = resolve_in_root(registry.config.datastore_root, f"{ADDED_TEXTS}/{name}")
+def write_added_texts(datastore_root: str, name: str, texts: list[AddedText]) -> Path:
+    """The texts of an add to datastore `name`, kept below `datastore_root` for `knnlm-index add`
+    to read (and provenance to name): a new file, or none where writing fails."""
+    folder = resolve_in_root(datastore_root, f"{ADDED_TEXTS}/{name}")
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / f"{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}.jsonl"
-    file.write_text("".join(json.dumps(t.model_dump(exclude_none=True)) + "\n" for t in texts))
+    try:
+        file.write_text("".join(json.dumps(t.model_dump(exclude_none=True)) + "\n" for t in texts))
+    except OSError:
+        file.unlink(missing_ok=True)  # no part of the texts stays behind a refused add
+        raise
     return file
 
 

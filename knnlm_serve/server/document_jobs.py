@@ -107,26 +107,23 @@ def start_child_job(
 
 
 def _run_locked(jobs, job, registry, path, prepare, on_failure, ready: Future) -> None:
-    from index_builder.versions import busy_error, lock_held_for_child, taken_writer_lock
+    from index_builder.versions import busy_error, taken_writer_lock
 
-    started = time.monotonic()
+    started, lock = time.monotonic(), None
     try:
         lock = taken_writer_lock(Path(path))
         if lock is None:
             raise busy_error(job.datastore)
+        command = prepare()
     except Exception as e:  # noqa: BLE001 - the request's answer
+        if lock is not None:
+            lock.release()
         jobs.end(job, started, registry.public(str(e)))
         ready.set_exception(e)
         return
+    ready.set_result(None)
     try:
-        try:
-            command = prepare()
-        except Exception as e:  # noqa: BLE001 - the request's answer
-            jobs.end(job, started, registry.public(str(e)))
-            ready.set_exception(e)
-            return
-        ready.set_result(None)
-        _run_child(jobs, job, registry, path, command, on_failure, lock_held_for_child(Path(path)))
+        _run_child(jobs, job, registry, path, command, on_failure)
     finally:
         lock.release()
 
@@ -148,17 +145,19 @@ def _run_child(
     path: str,
     command: list[str],
     on_failure: Callable[[], None],
-    env: dict[str, str],
 ) -> None:
     """Run `command` (a knnlm-index job on the datastore at `path`, printing its audit record as
-    JSON) with `env` added, then serve the new version; `on_failure` runs if the child fails."""
+    JSON) under this process's writer lock, then serve the new version; `on_failure` runs if the
+    child fails."""
+    from index_builder.versions import lock_held_for_child
+
     started, published, parent = time.monotonic(), False, os.getpid()
     try:
         child = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env={**os.environ, **env},
+            env={**os.environ, **lock_held_for_child(Path(path))},
             preexec_fn=lambda: _child_of_this_thread(parent),
         )
         errors = _follow(child, job)
