@@ -315,6 +315,32 @@ def test_admin_body_errors_are_400s_naming_the_field(server, method, route, body
     assert response.json()["error"]["param"] == message.split(":")[0]  # as the completion routes name theirs
 
 
+@pytest.mark.parametrize(
+    "method, route, body, message",
+    [
+        ("POST", "/datastores/flat/compact", "[1]", "body: Input should be a valid dictionary"),
+        ("POST", "/datastores/flat/compact", "{", "body is not valid JSON"),
+        ("DELETE", "/datastores/flat/documents/first", None, "document: Input should be a valid integer"),
+        ("DELETE", "/datastores/flat/documents/0?erase=maybe", None, "erase: Input should be a valid boolean"),
+        ("POST", "/explain", '{"prompt": "x", "knn_context": 1}', "knn_context: Extra inputs are not permitted"),
+    ],
+    ids=["body-not-an-object", "body-not-json", "document-not-a-number", "erase-maybe", "explain-unknown-field"],
+)
+def test_requests_the_routes_cannot_parse_are_400s_naming_the_field(server, method, route, body, message):
+    """Caught before the route runs (FastAPI's own parsing), and answered in the same format."""
+    before = admin(server, "GET", "/datastores").json()
+    response = requests.request(
+        method,
+        f"{server.base_url}/v1/knn{route}",
+        data=body,
+        headers={"X-Admin-Token": TOKEN, "Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+    assert response.json()["error"]["param"] == message.split(":")[0].split(" ")[0], response.text
+    assert admin(server, "GET", "/datastores").json() == before  # nothing forgotten
+
+
 def test_explain_refuses_a_null_knob_naming_it_as_the_completion_routes_do(server):
     response = requests.post(
         f"{server.base_url}/v1/knn/explain",

@@ -34,7 +34,7 @@ from knnlm_serve.app_state import published_registry, registry_loaded
 from knnlm_serve.engine.worker_extension import ATTACH, SET_RUNTIME, WORKER_STATE
 from knnlm_serve.runtime import Runtime
 from knnlm_serve.server.admin_access import admin_registry, check_name, parse_body, resolve_in_root
-from knnlm_serve.server.http_errors import STATUS, KnnHTTPError, http_error
+from knnlm_serve.server.http_errors import STATUS, KnnHTTPError, KnnRoute, http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
 logger = logging.getLogger("knnlm_serve")
@@ -62,7 +62,7 @@ def _admin_call(registry: DatastoreRegistry, fn, *args, **kwargs):
         raise http_error(e, registry) from None
 
 
-router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"])
+router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"], route_class=KnnRoute)
 
 
 @router.get("/datastores")

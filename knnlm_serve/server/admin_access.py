@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from knnlm_core.config import datastore_name_problem
 from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_serve.server.http_errors import invalid_field
 from knnlm_serve.server.registry import DatastoreRegistry
 
 ADMIN_TOKEN_ENV = "KNNLM_ADMIN_TOKEN"
@@ -51,13 +52,9 @@ def check_name(name: str) -> None:
 
 
 def parse_body(model: type[M], body: object) -> M:
-    """An admin route's JSON body as `model`; a 400 naming the field otherwise (vLLM's own handler
-    drops field names it mistakes for pydantic's internals, such as `default`)."""
+    """An admin route's JSON body as `model`; a 400 naming the field otherwise (validated here, not
+    in the route's signature, so that fields such as `default` keep their names in the error)."""
     try:
         return model.model_validate(body if body is not None else {})
     except ValidationError as e:
-        error = e.errors()[0]
-        field = ".".join(str(part) for part in error["loc"]) or "the body"
-        shown = repr(error.get("input"))
-        message = f"{field}: {error['msg']} (got {shown[:80] + '...' if len(shown) > 80 else shown})"
-        raise KnnlmError(message, ErrorKind.MALFORMED, field) from None
+        raise invalid_field(e.errors()[0]) from None

@@ -40,7 +40,7 @@ from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.provenance import DocumentTable
 from knnlm_serve.server.admin_access import admin_registry, parse_body, resolve_in_root
 from knnlm_serve.server.document_jobs import DocumentJobs, start_child_job
-from knnlm_serve.server.http_errors import http_error
+from knnlm_serve.server.http_errors import KnnRoute, http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
 logger = logging.getLogger("knnlm_serve")
@@ -66,7 +66,7 @@ class CompactRequest(BaseModel):
     shards: StrictInt | None = Field(None, gt=0)  # default: as many as the build's shard size needs
 
 
-router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"])
+router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"], route_class=KnnRoute)
 
 
 _JOBS_LOCK = threading.Lock()

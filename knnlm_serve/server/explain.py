@@ -45,7 +45,7 @@ from knnlm_serve.engine.request_params import (
     with_defaults,
 )
 from knnlm_serve.engine.worker_extension import TAKE_EXPLANATION
-from knnlm_serve.server.http_errors import http_error
+from knnlm_serve.server.http_errors import KnnRoute, http_error
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -64,7 +64,7 @@ class ExplainRequest(BaseModel):
     vllm_xargs: dict = {}  # the kNN knobs of /v1/completions; knn_explain: neighbours shown per token (5)
 
 
-router = APIRouter(prefix="/v1/knn", tags=["kNN provenance"])
+router = APIRouter(prefix="/v1/knn", tags=["kNN provenance"], route_class=KnnRoute)
 
 
 def provenance_of(path: str) -> Provenance:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from http import HTTPStatus
 
 from fastapi import HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 
 from knnlm_core.errors import ErrorKind, KnnlmError
 
@@ -42,3 +44,33 @@ def error_response(status: int, message: str, param: str | None, kind: str | Non
 async def knn_http_error_response(request: Request, e: KnnHTTPError) -> JSONResponse:
     """Our errors with `param` naming the field: vLLM's handler for HTTPException drops it."""
     return error_response(e.status_code, e.detail, e.param)
+
+
+def invalid_field(error: dict) -> KnnlmError:
+    """A pydantic validation error of a request body as a 400 naming its field (`loc`, from the
+    body's top)."""
+    if error["type"] == "json_invalid":
+        return KnnlmError(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", ErrorKind.MALFORMED, "body")
+    field = ".".join(str(part) for part in error["loc"])
+    shown = repr(error.get("input"))
+    shown = shown[:80] + "..." if len(shown) > 80 else shown
+    return KnnlmError(f"{field or 'the body'}: {error['msg']} (got {shown})", ErrorKind.MALFORMED, field or "body")
+
+
+class KnnRoute(APIRoute):
+    """Our routes answer a request FastAPI cannot parse (a body that is not a JSON object, a path
+    or query value of the wrong type) in our format, naming the field; vLLM's app-wide handler
+    prints pydantic's error list."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                first = e.errors()[0]
+                error = invalid_field({**first, "loc": first["loc"][1:]})  # after "body", "path" or "query"
+                return error_response(STATUS[error.kind], str(error), error.param)
+
+        return route
