@@ -169,7 +169,11 @@ def test_a_second_writer_is_refused_while_an_add_runs_and_the_add_lands_whole(co
     while time.monotonic() < deadline and child.poll() is None and not progress_file.exists():
         time.sleep(0.005)
     assert child.poll() is None, "the add finished before a second writer could try"
-    refused = knnlm_index("forget", str(root), "--document", "1")
+    os.kill(child.pid, signal.SIGSTOP)  # still holding the datastore while the forget starts up
+    try:
+        refused = knnlm_index("forget", str(root), "--document", "1")
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
     assert refused.returncode == 1 and "being changed by another process" in refused.stderr, refused.stderr
     assert child.wait(timeout=600) == 0, child.stderr.read().decode()
     manifest = read_manifest(root)
