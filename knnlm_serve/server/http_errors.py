@@ -47,8 +47,8 @@ async def knn_http_error_response(request: Request, e: KnnHTTPError) -> JSONResp
 
 
 def invalid_field(error: dict) -> KnnlmError:
-    """A pydantic validation error of a request body as a 400 naming its field (`loc`, from the
-    body's top)."""
+    """A pydantic validation error as a 400 naming its field (`loc`: from the top of the body, or
+    the path or query parameter's name)."""
     if error["type"] == "json_invalid":
         return KnnlmError(f"the body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", ErrorKind.MALFORMED, "body")
     field = ".".join(str(part) for part in error["loc"])
