@@ -30,7 +30,7 @@ from knnlm_core.added_texts import erase_records, is_server_copy
 from knnlm_core.datastore import file_entry, load_document_starts, write_manifest
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.manifest import ForgetRecord, Manifest
-from knnlm_core.provenance import PROVENANCE, DocumentTable
+from knnlm_core.provenance import PROVENANCE, DocumentTable, source_name
 from knnlm_core.search import shard_first_ids
 
 logger = logging.getLogger("index_builder")
@@ -49,7 +49,7 @@ def find_documents(
             )
         found.add(document)
     for source in sources:
-        relative = os.path.relpath(os.path.abspath(source), table.root) if os.path.isabs(source) else source
+        relative = source_name(table.root, os.path.abspath(source)) if os.path.isabs(source) else source
         if relative not in table.sources:
             raise DatastoreError(
                 f"no document comes from source {source!r}; the datastore's sources are {table.sources[:10]}", ErrorKind.NOT_FOUND

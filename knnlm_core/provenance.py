@@ -7,8 +7,9 @@ order; with each document's first token (kept in the table) they give the whole 
 back, so a snippet needs no other copy of the text and no per-entry arrays.
 
 The document table (`provenance.json`) says where each document came from: its source file
-(relative to `root`, the sources' common directory at build time), the 1-based line and the `id`
-field of a .jsonl record, and the sha256 of the document's text, to find it again and check it.
+(relative to `root`, the sources' common directory at build time; a file added later from outside
+that directory by its absolute path, so no name the table gave ever changes), the 1-based line and
+the `id` field of a .jsonl record, and the sha256 of the document's text, to find it again and check it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ from knnlm_core.files import write_json_atomic
 from knnlm_core.manifest import ForgetRecord, Manifest
 
 PROVENANCE = "provenance.json"
+
+
+def source_name(root: str, path: str) -> str:
+    """The name a table with this `root` gives the source file at `path` (absolute): relative to
+    the root when below it, else the path itself."""
+    return os.path.relpath(path, root) if root and Path(path).is_relative_to(root) else path
 
 
 @dataclass(frozen=True)
@@ -68,10 +75,10 @@ class DocumentTable:
         )
 
     def extended(self, other: DocumentTable) -> DocumentTable:
-        """This table's documents followed by `other`'s, their sources relative to a common root."""
-        roots = [t.root for t in (self, other) if len(t)]
-        root = os.path.commonpath(roots) if roots else ""
-        paths = [[os.path.relpath(os.path.join(t.root, t.sources[i]), root) for i in t.source] for t in (self, other)]
+        """This table's documents followed by `other`'s, under this table's root: every name it gave
+        stays as it was (forget by source, explanations and passages keep naming a document alike)."""
+        root = self.root if len(self) else other.root
+        paths = [[source_name(root, os.path.join(t.root, t.sources[i])) for i in t.source] for t in (self, other)]
         sources = list(dict.fromkeys(paths[0] + paths[1]))
         number = {s: i for i, s in enumerate(sources)}
         return DocumentTable(

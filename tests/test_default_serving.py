@@ -127,6 +127,9 @@ def test_an_added_document_is_retrieved_and_a_forgotten_one_never_again(default_
     assert job["state"] == "done", job["error"]
     answer, context = ask(default_server, question, False, knn=False, knn_context=1)
     assert context["passages"][0]["id"] == "velmor" and "Anselm" in answer, answer
+    # named as the server's copy below the datastore root; the names the build gave do not change
+    assert context["passages"][0]["source"].startswith(".knnlm-added/facts/"), context
+    assert sources(ask(default_server, "Who built the Quellin bridge?", False, knn=False, knn_context=2)[1])[0] == "quellin.txt"
 
     forgot = admin("DELETE", f"/datastores/facts/documents/{job['record']['first_document']}")
 

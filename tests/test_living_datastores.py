@@ -80,6 +80,7 @@ def stored_keys(root: Path, lo: int, hi: int) -> np.ndarray:
 def test_an_added_document_gets_new_shards_old_files_are_reused_and_it_is_found(corpus, fact, tiny_model_dir, tmp_path):
     root = build(corpus, tiny_model_dir, tmp_path / "ds")
     before = read_manifest(root)
+    names = [Provenance.open(root, before).table.describe(d)["source"] for d in range(before.corpus.documents)]
     inodes = {f.path: (root / f.path).stat().st_ino for s in before.shards for f in (s.index, s.values)}
 
     manifest, record = add_documents(root, [fact], tiny_model_dir, progress=False)
@@ -91,7 +92,10 @@ def test_an_added_document_gets_new_shards_old_files_are_reused_and_it_is_found(
     verify_checksums(root, manifest)
     provenance = Provenance.open(root, manifest)
     assert record.first_document == provenance.documents - 1 == before.corpus.documents
-    assert provenance.table.describe(record.first_document)["source"].endswith("fact.txt")
+    # the names the build gave stay (explanations, passages and `forget --source` keep naming a document
+    # alike); the new file, outside the build's directory, is named by its path
+    assert [provenance.table.describe(d)["source"] for d in range(len(names))] == names and "heapq.txt" in names
+    assert provenance.table.describe(record.first_document)["source"] == str(fact.resolve())
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(tiny_model_dir).decode(provenance.tokens(record.first_document)) == FACT
@@ -100,6 +104,12 @@ def test_an_added_document_gets_new_shards_old_files_are_reused_and_it_is_found(
     assert (lo, hi) == (before.entries, manifest.entries)  # its entries follow the old ones: pointers stay inside it
     _, _, ids = nearest(root, stored_keys(root, lo, hi), 1)
     assert (ids[:, 0] == np.arange(lo, hi)).mean() > 0.9
+
+    _, records = forget_documents(root, sources=["heapq.txt", str(fact)])
+    assert {(r.source, r.document) for r in records} == {
+        ("heapq.txt", names.index("heapq.txt")),
+        (str(fact.resolve()), record.first_document),
+    }
 
 
 @pytest.mark.parametrize("index", ["flat", "ivfpq"])

@@ -127,11 +127,12 @@ def _with_context(state, registry, request: dict, chat: bool, count: int, name: 
             f"rebuild it with `knnlm-index build`, or leave out vllm_xargs.{ctx.KNOB}",
             ErrorKind.MALFORMED,
         )
-    from knnlm_serve.server.explain import provenance_of
+    from knnlm_serve.server.explain import origin, provenance_of
 
     try:
         context = ctx.retrieve(info, query, count, budget, tokens)
-        described = context.described(provenance_of(info.path).table)
+        table = provenance_of(info.path).table
+        described = context.described(lambda document: origin(table, document, registry))
     except Exception as e:  # noqa: BLE001 - fail open: the request is served without passages, counted
         logger.warning("in-context retrieval from datastore %r failed, served without passages: %s", info.name, e)
         metrics.CONTEXT_FAILURES.labels(info.name).inc()

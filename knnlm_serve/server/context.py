@@ -50,11 +50,12 @@ class Context:
     def text(self) -> str:
         return HEADER + "".join(p.text.strip() + "\n\n" for p in self.passages) if self.passages else ""
 
-    def described(self, table) -> dict:
-        """What the response says: each passage's document, source, id, token span and relevance."""
+    def described(self, origin) -> dict:
+        """What the response says: each passage's document, source, id, token span and relevance
+        (`origin(document)`: where the document came from, as clients may see it)."""
         used = []
         for p in self.passages:
-            where = table.describe(p.document)
+            where = origin(p.document)
             used.append(
                 {"passage": p.id, "document": p.document, "source": where["source"], "id": where["id"], "span": [p.start, p.stop]}
                 | {"relevance": round(p.relevance, 4)}

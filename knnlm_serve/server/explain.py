@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.manifest import MANIFEST
-from knnlm_core.provenance import Provenance
+from knnlm_core.provenance import DocumentTable, Provenance
 from knnlm_serve.engine.explanations import MAX_REQUESTS
 from knnlm_serve.engine.request_params import (
     KNOWN_KEYS,
@@ -78,6 +78,12 @@ def _provenance(path: str, manifest_mtime_ns: int) -> Provenance:
     return Provenance.open(Path(path), read_manifest(path))
 
 
+def origin(table: DocumentTable, document: int, registry) -> dict:
+    """Where `document` came from, as clients may see it (its source through `public_source`)."""
+    where = table.describe(document)
+    return where | {"source": registry.public_source(where["source"])}
+
+
 def _registry(request: Request):
     registry = getattr(request.app.state, "knnlm_registry", None)
     if registry is None:
@@ -98,7 +104,7 @@ def get_document(datastore: str, document: int, request: Request) -> dict:
         raise http_error(e, _registry(request)) from None
     return {
         "datastore": {"name": info.name, "version": info.version},
-        **provenance.table.describe(document),
+        **origin(provenance.table, document, _registry(request)),
         "tokens": len(tokens),
         "text": tokenizer.decode(tokens.tolist()),
     }
@@ -190,7 +196,8 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
         )
     pinned = next(iter(by_position.values()))["datastore"]
     explanation = [
-        explain_token(by_position[position], token, logprob, top, body.snippet_tokens, tokenizer) for position, token, logprob in explained
+        explain_token(by_position[position], token, logprob, top, body.snippet_tokens, tokenizer, registry)
+        for position, token, logprob in explained
     ]
     return {
         "datastore": {"name": pinned[0], "version": pinned[1]},
@@ -200,7 +207,7 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
     }
 
 
-def explain_token(row: dict, token: int, logprob: float, top: int, width: int, tokenizer) -> dict:
+def explain_token(row: dict, token: int, logprob: float, top: int, width: int, tokenizer, registry) -> dict:
     """One token's mixture and its top neighbours by weight, each with its document and a snippet."""
     served = float(np.exp(logprob))
     out = {"token": tokenizer.decode([token]), "token_id": token, "logprob": logprob, "status": row["status"]}
@@ -230,7 +237,7 @@ def explain_token(row: dict, token: int, logprob: float, top: int, width: int, t
         neighbours.append(
             {
                 "entry": int(ids[j]),
-                **provenance.table.describe(document),
+                **origin(provenance.table, document, registry),
                 "position": position,
                 "distance": float(distances[j]),
                 "weight": float(weights[j]),

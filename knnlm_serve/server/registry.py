@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -165,6 +166,11 @@ class DatastoreRegistry:
         if root and Path(path).is_relative_to(Path(root).expanduser().resolve()):
             return str(Path(path).relative_to(Path(root).expanduser().resolve()))
         return Path(path).name
+
+    def public_source(self, name: str) -> str:
+        """A document's source as clients may see it: a name relative to the build's directory as it
+        is; an absolute one (a file added from elsewhere) as `public_path` shows a server path."""
+        return self.public_path(name) if os.path.isabs(name) else name
 
     def health(self) -> dict:
         """Ask every serving shard actor who it is; a changed pid means Ray restarted it."""
