@@ -92,7 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     forget.add_argument("datastore")
     forget.add_argument("--document", type=int, action="append", default=[], help="a document's number (as explanations show it)")
-    forget.add_argument("--source", action="append", default=[], help="every document of this source file")
+    forget.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        help="every document of this source file: its name as the datastore lists it, or a path to it",
+    )
     forget.add_argument("--id", action="append", default=[], help="the document with this .jsonl id")
     forget.add_argument(
         "--erase", action="store_true", help="also take its entries' codes out of the index files now (default: kept until compact)"

@@ -49,12 +49,7 @@ def find_documents(
             )
         found.add(document)
     for source in sources:
-        relative = source_name(table.root, os.path.abspath(source)) if os.path.isabs(source) else source
-        if relative not in table.sources:
-            raise DatastoreError(
-                f"no document comes from source {source!r}; the datastore's sources are {table.sources[:10]}", ErrorKind.NOT_FOUND
-            )
-        number = table.sources.index(relative)
+        number = _source_number(table, source)
         found.update(d for d, s in enumerate(table.source) if s == number)
     for wanted in ids:
         matches = [d for d, i in enumerate(table.id) if i == wanted]
@@ -64,6 +59,22 @@ def find_documents(
     if not found:
         raise DatastoreError("name the documents to forget: --document N, --source PATH or --id ID", ErrorKind.MALFORMED)
     return sorted(found)
+
+
+def _source_number(table: DocumentTable, source: str) -> int:
+    """The table's number for `source`: a name as the table lists it, or a path to the file
+    (absolute, or from the working directory)."""
+    names = [] if os.path.isabs(source) else [source]
+    if os.path.isabs(source) or os.path.exists(source):
+        names.append(source_name(table.root, os.path.realpath(source)))
+    for name in names:
+        if name in table.sources:
+            return table.sources.index(name)
+    alike = [s for s in table.sources if os.path.basename(s) == os.path.basename(source)]
+    listed = (
+        f"sources with that file name: {alike}" if alike else f"the datastore's {len(table.sources)} sources include {table.sources[:10]}"
+    )
+    raise DatastoreError(f"no document comes from source {source!r}; {listed}", ErrorKind.NOT_FOUND)
 
 
 @one_writer("path")

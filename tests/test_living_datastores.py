@@ -77,7 +77,7 @@ def stored_keys(root: Path, lo: int, hi: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def test_an_added_document_gets_new_shards_old_files_are_reused_and_it_is_found(corpus, fact, tiny_model_dir, tmp_path):
+def test_an_added_document_gets_new_shards_old_files_are_reused_and_it_is_found(corpus, fact, tiny_model_dir, tmp_path, monkeypatch):
     root = build(corpus, tiny_model_dir, tmp_path / "ds")
     before = read_manifest(root)
     names = [Provenance.open(root, before).table.describe(d)["source"] for d in range(before.corpus.documents)]
@@ -105,7 +105,10 @@ def test_an_added_document_gets_new_shards_old_files_are_reused_and_it_is_found(
     _, _, ids = nearest(root, stored_keys(root, lo, hi), 1)
     assert (ids[:, 0] == np.arange(lo, hi)).mean() > 0.9
 
-    _, records = forget_documents(root, sources=["heapq.txt", str(fact)])
+    with pytest.raises(DatastoreError, match=r"sources with that file name: \['" + str(fact.resolve())):
+        forget_documents(root, sources=["fact.txt"])  # not a listed name, and no such file here
+    monkeypatch.chdir(tmp_path)  # a path from the working directory names the file too
+    _, records = forget_documents(root, sources=["heapq.txt", "new/fact.txt"])
     assert {(r.source, r.document) for r in records} == {
         ("heapq.txt", names.index("heapq.txt")),
         (str(fact.resolve()), record.first_document),
