@@ -175,9 +175,10 @@ def forget_document(
         )
         jobs.end(job, started, registry.public(str(error)))
         raise http_error(error, registry) from None
-    job.version, job.record = loaded.version, json.loads(registry.public(record.model_dump_json()))
+    job.version = loaded.version
+    job.record = json.loads(registry.public(record.model_dump_json())) | {"source": registry.public_source(record.source)}
     jobs.end(job, started)
-    untouched = [] if is_server_copy(record.source) else [registry.public(record.source)]
+    untouched = [] if is_server_copy(record.source) else [job.record["source"]]
     return {**asdict(job), "untouched": untouched}
 
 
