@@ -166,21 +166,22 @@ def test_sixteen_streaming_clients_through_an_add_and_a_forget_see_no_failure_an
 
 
 @pytest.mark.parametrize(
-    "method, route, body, status, message",
+    "method, route, body, status, message, param",
     [
-        ("DELETE", "/datastores/flat/documents/999", {}, 404, "document 999 does not exist"),
-        ("DELETE", "/datastores/nope/documents/0", {}, 404, "no datastore named 'nope'"),
-        ("POST", "/datastores/flat/documents", {"paths": []}, 400, "nothing to add"),
-        ("POST", "/datastores/flat/documents", {"paths": ["../../etc"]}, 403, "outside the datastore root"),
-        ("POST", "/datastores/flat/documents", {"paths": ["missing.txt"]}, 404, "does not exist"),
-        ("POST", "/datastores/flat/documents", {"texts": [{"text": ""}]}, 400, "texts.0.text"),
+        ("DELETE", "/datastores/flat/documents/999", {}, 404, "document 999 does not exist", None),
+        ("DELETE", "/datastores/nope/documents/0", {}, 404, "no datastore named 'nope'", None),
+        ("POST", "/datastores/flat/documents", {"paths": []}, 400, "nothing to add", None),
+        ("POST", "/datastores/flat/documents", {"paths": ["../../etc"]}, 403, "outside the datastore root", "paths"),
+        ("POST", "/datastores/flat/documents", {"paths": ["missing.txt"]}, 404, "below knn.datastore_root", "paths"),
+        ("POST", "/datastores/flat/documents", {"texts": [{"text": ""}]}, 400, "texts.0.text", "texts.0.text"),
     ],
     ids=["unknown-document", "unknown-datastore", "empty-add", "outside-root", "missing-file", "empty-text"],
 )
-def test_bad_document_requests_get_a_clear_4xx_and_change_nothing(server, ids, method, route, body, status, message):
+def test_bad_document_requests_get_a_clear_4xx_and_change_nothing(server, ids, method, route, body, status, message, param):
     version = listed(server, "flat")["version"]
     response = admin(server, method, route, **body)
     assert response.status_code == status and message in response.text, response.text
+    assert response.json()["error"]["param"] == param, response.text
     assert listed(server, "flat")["version"] == version
     assert len(answer(server, ids, "flat")) == LENGTH  # still serving
 

@@ -195,7 +195,10 @@ def _input_paths(registry: DatastoreRegistry, body: AddRequest) -> list[str]:
         )
     files = [resolve_in_root(registry.config.datastore_root, p, "paths") for p in body.paths]
     if files:
-        find_files(files)  # a missing path or one with no text files is an error now, not in the job
+        try:
+            find_files(files)  # a missing path or one with no text files is an error now, not in the job
+        except KnnlmError as e:
+            raise KnnlmError(f"paths: {e} (give files or directories below knn.datastore_root)", e.kind, "paths") from None
     return [str(f) for f in files]
 
 
