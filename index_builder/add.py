@@ -26,7 +26,7 @@ from index_builder.passages import grown_passages, passage_rows
 from index_builder.shards import add_shards
 from index_builder.versions import link_version, one_writer, prepare_workdir, publish, read_with_documents, replace_array, workdir
 from knnlm_core.config import BuildConfig
-from knnlm_core.corpus import find_files
+from knnlm_core.corpus import find_files, no_text_error
 from knnlm_core.datastore import check_compatible, file_entry, load_document_starts, write_manifest
 from knnlm_core.errors import CorpusError
 from knnlm_core.files import write_json_atomic
@@ -77,7 +77,7 @@ def add_documents(
         tokens, offsets = np.load(scratch / "tokens.npy", mmap_mode="r"), np.load(scratch / "doc_offsets.npy")
         plan = plan_windows(offsets, config.context_length, config.stride)
         if corpus.documents == 0 or plan.entries == 0:
-            raise CorpusError(f"there is no text to add in {', '.join(map(str, inputs))}: every document is empty or one token long")
+            raise no_text_error(inputs, corpus.documents, corpus.skipped_files)
         refuse_duplicates(
             DocumentTable.read(root / manifest.provenance.path), manifest, DocumentTable.read(scratch / "corpus_documents.json")
         )

@@ -29,7 +29,7 @@ from index_builder.passages import build_passages
 from index_builder.shards import add_shards, train_once
 from index_builder.versions import prepare_workdir, publish, workdir
 from knnlm_core.config import BuildConfig, KeyType
-from knnlm_core.corpus import doc_offsets, find_files, iter_documents, token_ids
+from knnlm_core.corpus import doc_offsets, find_files, iter_documents, no_text_error, token_ids
 from knnlm_core.datastore import file_entry, write_manifest
 from knnlm_core.errors import ConfigError, CorpusError, DatastoreError, ModelError
 from knnlm_core.files import write_json_atomic
@@ -77,7 +77,7 @@ def build_datastore(
                 table = table.select(heldout.index_documents)
             plan = plan_windows(offsets, config.context_length, config.stride)
             if plan.entries == 0:
-                raise CorpusError(f"the corpus ({', '.join(map(str, inputs))}) has no text to index")
+                raise no_text_error(inputs, corpus.documents, corpus.skipped_files)
             if config.shards > plan.entries:
                 raise CorpusError(f"--shards {config.shards} is more than the {plan.entries} entries of this corpus")
             encoder = KeyEncoder(model_dir, config.key_type, config.dtype)

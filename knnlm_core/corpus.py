@@ -52,6 +52,15 @@ def find_files(inputs: list[str | Path]) -> list[Path]:
     return files
 
 
+def no_text_error(inputs: list, documents: int, skipped: list[str]) -> CorpusError:
+    """Why a corpus gave no entries: its only files were skipped (not UTF-8), or its documents are
+    too short to hold a context and a next token."""
+    why = "every document is empty or one token long"
+    if documents == 0 and skipped:
+        why = f"{'; '.join(skipped)}, so skipped (save it as UTF-8)"
+    return CorpusError(f"there is no text to index in {', '.join(map(str, inputs))}: {why}")
+
+
 def _read_text(path: Path) -> str:
     data = gzip.decompress(path.read_bytes()) if path.name.lower().endswith(".gz") else path.read_bytes()
     return data.decode("utf-8")

@@ -246,8 +246,9 @@ def test_killed_build_resumes_to_the_same_datastore(corpus, tiny_model_dir, tmp_
         (lambda d: (d / "empty.txt").write_text("   \n"), [], "no text to index"),
         (lambda d: None, ["MISSING"], "does not exist"),
         (lambda d: (d / "bad.txt").write_bytes(b"caf\xe9 au lait"), ["--on-bad-utf8", "error"], "not UTF-8"),
+        (lambda d: (d / "bad.txt").write_bytes(b"caf\xe9 au lait"), [], "bad.txt: not UTF-8, so skipped (save it as UTF-8)"),
     ],
-    ids=["empty-corpus", "missing-path", "non-utf8-error"],
+    ids=["empty-corpus", "missing-path", "non-utf8-error", "only-non-utf8-skipped"],
 )
 def test_bad_corpus_fails_with_one_line_and_writes_nothing(setup, extra, message, tiny_model_dir, tmp_path):
     corpus_dir = tmp_path / "in"
