@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from knnlm_core.config import BuildConfig
-from knnlm_core.config_file import validation_message
+from knnlm_core.config_file import flag_message
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for
 from knnlm_core.errors import ConfigError, KnnlmError
 from knnlm_core.flags import positive_int
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 config = BuildConfig(**overrides)
             except ValidationError as e:
-                raise ConfigError(validation_message(e)) from None
+                raise ConfigError(flag_message(e)) from None
             model_dir = model_dir_for(args.model)
             build_datastore(args.inputs, Path(args.output), model_dir, config, overwrite=args.overwrite, progress=not args.quiet)
         elif args.command == "calibrate":
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
                     dtype=built.model.dtype,
                 )
             except ValidationError as e:
-                raise ConfigError(validation_message(e)) from None
+                raise ConfigError(flag_message(e)) from None
             manifest = recalibrate(args.datastore, args.texts, model_dir_for(args.model), config, progress=not args.quiet)
             print(json.dumps(manifest.calibration.model_dump(mode="json", by_alias=True), indent=2))
         elif args.command == "add":

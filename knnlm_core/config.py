@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -250,9 +250,9 @@ class ServeConfig(_Strict):
 class SweepGrid(_Strict):
     """The (λ, τ, k) grid searched by `knnlm-eval` and by calibration."""
 
-    lambdas: tuple[float, ...] = tuple(round(0.05 * i, 2) for i in range(21))
-    temperatures: tuple[float, ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
-    ks: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+    lambdas: tuple[Annotated[float, Field(ge=0, le=1)], ...] = tuple(round(0.05 * i, 2) for i in range(21))
+    temperatures: tuple[Annotated[float, Field(gt=0)], ...] = (0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+    ks: tuple[Annotated[int, Field(ge=1)], ...] = (16, 32, 64, 128, 256, 512, 1024)
     k_tolerance: float = Field(0.0025, ge=0, description="calibration: the smallest k within this share of the best k's perplexity")
     skip_tolerance: float = Field(
         0.005, ge=0, description="adaptive retrieval: skip searches while tuning perplexity stays within this share of full retrieval"
@@ -265,9 +265,9 @@ class EvalConfig(SweepGrid):
 
     context_length: int = Field(512, gt=1)
     stride: int = Field(256, gt=0, description="scored (new) tokens per window")
-    nprobes: tuple[int, ...] = ()  # IVF datastores: also search at these nprobe (default: the manifest's)
+    nprobes: tuple[Annotated[int, Field(ge=1)], ...] = ()  # IVF datastores: also search at these nprobe (default: the manifest's)
     exact: bool = False  # also search exactly (flat L2 over the kept keys; needs --keep-keys)
-    fractions: tuple[float, ...] = ()  # also search random fractions of the first datastore
+    fractions: tuple[Annotated[float, Field(gt=0, le=1)], ...] = ()  # also search random fractions of the first datastore (1: the whole)
     tune_fraction: float = Field(0.2, gt=0, lt=1, description="the first this share of scored tokens tunes; the rest is reported")
     seed: int = 0
     batch_size: int = Field(8, gt=0)
@@ -276,9 +276,7 @@ class EvalConfig(SweepGrid):
     progress: bool = True
 
     @model_validator(mode="after")
-    def _valid_grid(self) -> EvalConfig:
+    def _stride_below_context(self) -> EvalConfig:
         if self.stride >= self.context_length:
             raise ValueError(f"stride ({self.stride}) must be below context_length ({self.context_length})")
-        if any(not 0 <= x <= 1 for x in self.lambdas) or any(t <= 0 for t in self.temperatures) or any(k < 1 for k in self.ks):
-            raise ValueError("lambdas must be in [0, 1], temperatures > 0, ks >= 1")
         return self

@@ -37,3 +37,17 @@ def load_serve_config(path: str | Path | None, **overrides) -> ServeConfig:
 def validation_message(e: ValidationError) -> str:
     """pydantic's errors on one line: `field: problem; field: problem`."""
     return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+
+
+def flag_message(e: ValidationError, renamed: dict[str, str] | None = None) -> str:
+    """pydantic's errors on one line, each named by the command-line flag that set its field
+    (`--field-name`, or `renamed[field]`) with the value given: `--lambdas 2.0: problem`."""
+    parts = []
+    for err in e.errors():
+        if not err["loc"]:  # a check across fields: its message names them
+            parts.append(err["msg"].removeprefix("Value error, "))
+            continue
+        field = str(err["loc"][0])
+        flag = (renamed or {}).get(field, "--" + field.replace("_", "-"))
+        parts.append(f"{flag} {err['input']!r}: {err['msg']}")
+    return "; ".join(parts)

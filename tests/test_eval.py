@@ -172,6 +172,23 @@ def eval_error(*argv) -> str:
     return e.value.code
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lambdas", "0.5", "2"], "--lambdas 2.0: Input should be less than or equal to 1"),
+        (["--temperatures", "0"], "--temperatures 0.0: Input should be greater than 0"),
+        (["--ks", "64", "0"], "--ks 0: Input should be greater than or equal to 1"),
+        (["--fractions", "1.5"], "--fractions 1.5: Input should be less than or equal to 1"),
+        (["--nprobe", "0"], "--nprobe 0: Input should be greater than or equal to 1"),
+        (["--tune-fraction", "1"], "--tune-fraction 1.0: Input should be less than 1"),
+    ],
+    ids=["lambda", "temperature", "k", "fraction", "nprobe", "tune-fraction"],
+)
+def test_a_bad_flag_value_is_refused_naming_the_flag_and_the_value(flags, message, tmp_path):
+    """Before any text or model is read."""
+    assert eval_error(tmp_path / "held-out.txt", "--datastore", f"d={tmp_path}", *flags) == f"knnlm-eval: error: {message}"
+
+
 def test_empty_text_is_refused(datastores, tiny_model_dir, tmp_path):
     (tmp_path / "empty.txt").write_text("  \n\n")
     assert "is empty" in eval_error(tmp_path / "empty.txt", "--datastore", f"d={datastores['flat']}", "--model", tiny_model_dir)

@@ -17,7 +17,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from knnlm_core.config import EvalConfig
-from knnlm_core.config_file import validation_message
+from knnlm_core.config_file import flag_message
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for
 from knnlm_core.errors import KnnlmError
 from knnlm_serve.eval.report import markdown_table, write_report
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
                 progress=not args.quiet,
             )
         except ValidationError as e:
-            raise EvalError(validation_message(e)) from None
+            raise EvalError(flag_message(e, {"nprobes": "--nprobe"})) from None
         run = evaluate(args.inputs, dict(args.datastore), model_dir_for(args.model), config)
     except KnnlmError as e:
         sys.exit(f"knnlm-eval: error: {e}")
