@@ -52,12 +52,15 @@ def find_files(inputs: list[str | Path]) -> list[Path]:
     return files
 
 
+def skipped_reason(skipped: list[str]) -> str:
+    """The files `iter_documents` skipped (not UTF-8), for an error about a corpus left empty."""
+    return f"{'; '.join(skipped)}, so skipped (save it as UTF-8)"
+
+
 def no_text_error(inputs: list, documents: int, skipped: list[str]) -> CorpusError:
-    """Why a corpus gave no entries: its only files were skipped (not UTF-8), or its documents are
-    too short to hold a context and a next token."""
-    why = "every document is empty or one token long"
-    if documents == 0 and skipped:
-        why = f"{'; '.join(skipped)}, so skipped (save it as UTF-8)"
+    """Why a corpus gave no entries: its only files were skipped, or its documents are too short to
+    hold a context and a next token."""
+    why = skipped_reason(skipped) if documents == 0 and skipped else "every document is empty or one token long"
     return CorpusError(f"there is no text to index in {', '.join(map(str, inputs))}: {why}")
 
 
@@ -130,12 +133,13 @@ def doc_offsets(lengths: list[int]) -> np.ndarray:
 
 
 def tokenize_files(
-    files: list[Path], model_dir: Path, *, text_field: str = "text", on_bad_utf8: str = "skip"
+    files: list[Path], model_dir: Path, *, text_field: str = "text", on_bad_utf8: str = "skip", skipped: list[str] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """All documents' tokens concatenated, and their offsets (in memory: for held-out texts)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    docs = [token_ids(tokenizer, d.text) for d in iter_documents(files, text_field=text_field, on_bad_utf8=on_bad_utf8)]
+    documents = iter_documents(files, text_field=text_field, on_bad_utf8=on_bad_utf8, skipped=skipped)
+    docs = [token_ids(tokenizer, d.text) for d in documents]
     tokens = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int32)
     return tokens, doc_offsets([len(d) for d in docs])

@@ -192,6 +192,9 @@ def test_a_bad_flag_value_is_refused_naming_the_flag_and_the_value(flags, messag
 def test_empty_text_is_refused(datastores, tiny_model_dir, tmp_path):
     (tmp_path / "empty.txt").write_text("  \n\n")
     assert "is empty" in eval_error(tmp_path / "empty.txt", "--datastore", f"d={datastores['flat']}", "--model", tiny_model_dir)
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait")
+    message = eval_error(tmp_path / "latin1.txt", "--datastore", f"d={datastores['flat']}", "--model", tiny_model_dir)
+    assert message.endswith("is empty: " + str(tmp_path / "latin1.txt") + ": not UTF-8, so skipped (save it as UTF-8)"), message
 
 
 def test_text_shorter_than_one_window_is_refused(datastores, tiny_model_dir, tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from knnlm_core.config import EvalConfig
-from knnlm_core.corpus import find_files, tokenize_files
+from knnlm_core.corpus import find_files, skipped_reason, tokenize_files
 from knnlm_core.errors import KnnlmError
 from knnlm_core.windows import WindowPlan, plan_windows, window_values
 
@@ -30,10 +30,11 @@ class EvalText:
 
 def load_eval_text(inputs: list[str | Path], model_dir: Path, config: EvalConfig) -> EvalText:
     """Read the text like the index builder does (same formats, same tokenizer call)."""
-    tokens, offsets = tokenize_files(find_files(inputs), model_dir, text_field=config.text_field)
+    skipped: list[str] = []
+    tokens, offsets = tokenize_files(find_files(inputs), model_dir, text_field=config.text_field, skipped=skipped)
     where = ", ".join(map(str, inputs))
     if offsets[-1] == 0:
-        raise EvalError(f"the eval text ({where}) is empty")
+        raise EvalError(f"the eval text ({where}) is empty" + (f": {skipped_reason(skipped)}" if skipped else ""))
     if offsets[-1] < config.context_length:
         raise EvalError(
             f"the eval text ({where}) has {offsets[-1]} tokens, fewer than one window of --context-length "
