@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from knnlm_core.mixture import interpolate
+from knnlm_core.mixture import LM_FLOOR, interpolate, mixture_log_prob
 
 
 def reference(lm_logits, distances, tokens, lam, tau):
@@ -21,11 +21,11 @@ def reference(lm_logits, distances, tokens, lam, tau):
             w /= w.sum()
             for token, weight in zip(tokens[i][valid], w):
                 p_knn[token] += weight
-            mix = lam[i] * p_knn + (1 - lam[i]) * p_lm
+            rest = max(1 - float(lam[i]), LM_FLOOR)
+            mix = (lam[i] * p_knn + rest * p_lm) / (lam[i] + rest)
         else:
             mix = p_lm
-        with np.errstate(divide="ignore"):
-            out[i] = np.log(mix)
+        out[i] = np.log(mix)
     return out
 
 
@@ -46,13 +46,19 @@ def test_mixture_matches_numpy_with_duplicates_and_padding():
     assert got is logits  # in place: the step's logits
     mixed = torch.log_softmax(got[rows], dim=-1).numpy()  # what vLLM samples from and reports as logprobs
     expected = reference(batch[rows], distances, tokens, lam, tau)
-    finite = np.isfinite(expected)
-    assert np.array_equal(finite, np.isfinite(mixed))  # λ = 1 leaves unseen tokens at probability 0
-    np.testing.assert_allclose(mixed[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    assert np.isfinite(mixed).all()  # λ = 1 leaves unseen tokens the LM's floor, not probability 0
+    np.testing.assert_allclose(mixed, expected, rtol=1e-5, atol=1e-5)
+    # λ = 1 (the fifth mixed row): p_kNN but for the floor, so its neighbours' tokens hold all the mass but about LM_FLOOR.
+    assert lam[4] == 1 and abs(np.exp(mixed[4][np.unique(tokens[4])]).sum() - 1) < 1e-6
+    # knnlm-eval's mixture (NumPy, fp64) scores a token no neighbour predicts as the server does.
+    unseen = np.setdiff1d(np.arange(vocab), tokens[4])[0]
+    log_p_lm = torch.log_softmax(torch.from_numpy(batch[rows[4]]).double(), dim=-1)[unseen].item()
+    scored = mixture_log_prob(np.array([log_p_lm]), np.array([-np.inf]), 1.0, np.array([True]))[0]
+    assert abs(scored - (np.log(LM_FLOOR) + log_p_lm)) < 1e-9 and abs(scored - mixed[4][unseen]) < 1e-4
     np.testing.assert_array_equal(got[[1, 6]].numpy(), batch[[1, 6]])  # rows not mixed are untouched
     np.testing.assert_allclose(got[3].numpy(), batch[3], rtol=1e-6, atol=1e-5)  # no neighbour: the LM's logits
     # Only a row's neighbour entries are written: the rest of it keeps its logits.
     for i, row in enumerate(rows):
-        if lam[i] < 1 and (tokens[i] >= 0).any():
+        if (tokens[i] >= 0).any():
             off = np.setdiff1d(np.arange(vocab), tokens[i])
             np.testing.assert_array_equal(got[row, off].numpy(), batch[row, off])

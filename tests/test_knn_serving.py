@@ -107,6 +107,31 @@ def test_lambda_one_reproduces_the_memorised_continuation(knn_server, token_ids)
     assert min(choice.logprobs.token_logprobs) > -0.1
 
 
+def test_at_lambda_one_a_constraint_that_allows_no_neighbours_token_still_gets_an_allowed_one(knn_server, token_ids):
+    """λ = 1 leaves the LM only a floor of weight, and vLLM applies allowed_token_ids and structured
+    outputs after the mix: where no neighbour's token is allowed, the LM's best allowed one is served."""
+    ids = token_ids["a"]
+    n = prefix_length(ids)
+    allowed = [t for t in range(100, 400) if t not in ids][:40]
+    client = knn_server.openai_client()
+    constrained = client.completions.create(
+        model="tiny",
+        prompt=ids[:n],
+        max_tokens=6,
+        temperature=0,
+        extra_body={"allowed_token_ids": allowed, "return_token_ids": True, "vllm_xargs": {"knn_lambda": 1.0}},
+    )
+    assert constrained.choices[0].token_ids and set(constrained.choices[0].token_ids) <= set(allowed)
+    choice = client.completions.create(
+        model="tiny",
+        prompt=ids[:n],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}, "vllm_xargs": {"knn_lambda": 1.0}},
+    )
+    assert choice.choices[0].text in ("yes", "no")
+
+
 def test_knn_off_and_lambda_zero_equal_plain_vllm(knn_server, plain_tiny_server, token_ids):
     ids = token_ids["a"]
     prompt = ids[: prefix_length(ids)]
