@@ -67,7 +67,11 @@ STDLIB_CONTROL = (
 )
 CEILING = 0.005  # the ceiling tolerance tried against the best held-out fit
 PACKAGE_STORE_CHARS = 480_000  # about 120k tokens, the size of the library-docs store
-PACKAGE_CORPORA = {"networkx": "networkx.algorithms", "sympy": "sympy"}  # corpus -> the package whose modules it documents
+PACKAGE_CORPORA = {
+    "networkx": "networkx.algorithms",
+    "sympy": "sympy",
+    "matplotlib": "matplotlib",
+}  # corpus -> the package whose modules it documents
 CORPORA = ("pydocs", *PACKAGE_CORPORA)
 DEFAULT_CORPORA = ["pydocs", "networkx"]
 

@@ -181,7 +181,7 @@ def recalibrate(datastore: str | Path, texts: list[str | Path], model_dir: Path,
     if passages is not None:
         from transformers import AutoTokenizer
 
-        passages = refitted_gate(root, passages, AutoTokenizer.from_pretrained(model_dir).decode(tokens))
+        passages = refitted_gate(root, passages, tokens, offsets, AutoTokenizer.from_pretrained(model_dir))
     updated = manifest.model_copy(
         update={"calibration": calibration, "calibration_note": None, "calibration_history": history, "passages": passages}
     )

@@ -190,7 +190,11 @@ class PassageIndexEntry(_Record):
     tokens: int  # a passage's length in tokens (a document's last one up to MIN_TAIL_TOKENS more)
     passages: int
     gate: float | None  # relevance a best passage needs to go into a prompt; None: not calibrated (no held-out text)
-    gate_heldout_pass: float | None = None  # share of chance queries (held-out words drawn at random) the gate lets through,
+    relevance: Literal["phrase", "bm25_per_word"] = "bm25_per_word"  # the gate's measure; left out: fitted before phrase relevance
+    gate_questions: int | None = None  # held-out documents' questions the gate was fitted on (phrase relevance),
+    gate_offtopic_pass: float | None = None  # the share of them it lets through against this index, which lacks their documents,
+    gate_answerable_pass: float | None = None  # and the share it lets through against their own documents
+    gate_heldout_pass: float | None = None  # bm25_per_word: the share of chance queries (held-out words drawn at random) it lets through,
     gate_stored_pass: float | None = None  # and of phrases of stored passages
 
 

@@ -10,8 +10,13 @@ never changed in place: `add`, `forget` and `compact` write a new file from the 
 passages (`write_passages`), so a forgotten document's passages never enter the new file, and
 the old one goes with its version; readers open it read-only and immutable.
 
-`relevance` is BM25 per query word: the best passage's score over the number of distinct words
-the query searched for, so that long and short queries compare against one gate.
+A search takes BM25's best CANDIDATES passages for the query's informative words (the last
+MAX_QUERY_WORDS of them: a prompt's question comes at its end) and ranks them by phrase relevance
+(knnlm_core/relevance.py), BM25's order breaking ties, so that the passage holding the question's
+own wording comes first and its relevance does not depend on the words around the question. A
+datastore whose gate was fitted before phrase relevance existed (`relevance: bm25_per_word` in its
+manifest) is searched as it was then: BM25 order, relevance the best score over the number of
+distinct query words.
 """
 
 from __future__ import annotations
@@ -22,14 +27,19 @@ import sqlite3
 from collections.abc import Iterable
 from contextlib import closing
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+
+from knnlm_core.relevance import Vocabulary, phrase_relevance
 
 PASSAGES = "passages.sqlite"
 PASSAGE_TOKENS = 128
 MIN_TAIL_TOKENS = 32  # a document's last span shorter than this joins the one before it
 MAX_QUERY_WORDS = 64
+CANDIDATES = 8  # BM25's best passages that phrase relevance ranks
+PHRASE, BM25_PER_WORD = "phrase", "bm25_per_word"  # relevance measures (the manifest's `relevance`)
 _WORD = re.compile(r"\w+", re.UNICODE)
 _SCHEMA = "CREATE VIRTUAL TABLE passages USING fts5(text, document UNINDEXED, start UNINDEXED, stop UNINDEXED, tokenize='porter unicode61')"
 
@@ -41,7 +51,7 @@ class Passage:
     start: int  # token span [start, stop) of the document
     stop: int
     text: str
-    relevance: float  # BM25 per query word (see the module docstring)
+    relevance: float  # phrase relevance, or BM25 per query word for a datastore fitted before it (module docstring)
 
 
 def passage_spans(lengths: np.ndarray, size: int = PASSAGE_TOKENS) -> np.ndarray:
@@ -96,17 +106,39 @@ class PassageIndex:
     def __len__(self) -> int:
         return self._db.execute("SELECT count(*) FROM passages").fetchone()[0]
 
-    def search(self, text: str, k: int) -> list[Passage]:
-        """The `k` passages that best match `text`, best first (none when it has no word)."""
-        words = query_words(text)
-        if not words or k <= 0:
+    @cached_property
+    def vocabulary(self) -> Vocabulary:
+        """How many passages hold each word: read once, on the first search."""
+        return Vocabulary.of(words(row[0]) for row in self._db.execute("SELECT text FROM passages"))
+
+    def search(self, text: str, k: int, relevance: str = PHRASE) -> list[Passage]:
+        """The `k` passages that best match `text`, best first (none when it has no informative word)."""
+        if k <= 0:
             return []
-        query = " OR ".join(f'"{w}"' for w in words)
-        rows = self._db.execute(
+        if relevance == BM25_PER_WORD:
+            return self._bm25_per_word(text, k)
+        query = self.vocabulary.informative(words(text))[-MAX_QUERY_WORDS:]
+        if not query:
+            return []
+        ranked = sorted(
+            (
+                (-phrase_relevance(query, self.vocabulary.informative(words(row[4])), self.vocabulary), rank, row)
+                for rank, row in enumerate(self._bm25(dict.fromkeys(query), max(k, CANDIDATES)))
+            ),
+            key=lambda scored: scored[:2],
+        )
+        return [Passage(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4], -score) for score, _, r in ranked[:k]]
+
+    def _bm25_per_word(self, text: str, k: int) -> list[Passage]:
+        query = query_words(text)
+        rows = self._bm25(query, k) if query else []
+        return [Passage(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4], -float(r[5]) / len(query)) for r in rows]
+
+    def _bm25(self, query: Iterable[str], k: int) -> list[tuple]:
+        return self._db.execute(
             "SELECT rowid, document, start, stop, text, bm25(passages) FROM passages WHERE passages MATCH ? ORDER BY rank LIMIT ?",
-            (query, k),
+            (" OR ".join(f'"{w}"' for w in query), k),
         ).fetchall()
-        return [Passage(int(r[0]), int(r[1]), int(r[2]), int(r[3]), r[4], -float(r[5]) / len(words)) for r in rows]
 
     def texts(self) -> list[str]:
         """Every passage's text, in passage order."""
@@ -122,5 +154,5 @@ def words(text: str) -> list[str]:
 
 
 def query_words(text: str) -> list[str]:
-    """The distinct words of `text` a search looks for (at most MAX_QUERY_WORDS, in order)."""
+    """The distinct words of `text` a BM25-per-word search looks for (at most MAX_QUERY_WORDS, in order)."""
     return list(dict.fromkeys(words(text)))[:MAX_QUERY_WORDS]

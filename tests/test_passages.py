@@ -3,6 +3,8 @@ rewritten without forgotten documents by forget and compact (real SQLite FTS5, t
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +16,9 @@ from index_builder.build import build_datastore
 from index_builder.compact import compact_datastore
 from index_builder.default_datastore import module_documents
 from index_builder.forget import forget_documents
-from index_builder.passages import GATE_CHANCE_PASS
 from knnlm_core.datastore import read_manifest, verify_checksums
-from knnlm_core.passages import PASSAGE_TOKENS, PassageIndex, passage_spans
+from knnlm_core.manifest import PassageIndexEntry
+from knnlm_core.passages import BM25_PER_WORD, PASSAGE_TOKENS, PHRASE, PassageIndex, passage_spans, write_passages
 from knnlm_core.provenance import Provenance
 
 WORD = "quetzalcoatlfjord"  # in no stored document until the fact is added
@@ -54,7 +56,9 @@ def test_a_build_indexes_every_stored_document_into_passages_with_a_calibrated_g
     provenance = Provenance.open(root, manifest)
     lengths = np.diff(provenance.starts) + 1
     assert manifest.passages.passages == len(passage_spans(lengths)) > len(lengths)
-    assert manifest.passages.gate is not None and manifest.passages.gate_heldout_pass <= GATE_CHANCE_PASS
+    gate = manifest.passages
+    assert gate.relevance == PHRASE and gate.gate is not None and gate.gate_questions >= 20
+    assert gate.gate_answerable_pass > 0.5 > gate.gate_offtopic_pass, gate  # held-out questions pass against their own documents only
     (hit,) = search(root, "heap queue algorithm priority queue", 1)
     assert provenance.table.describe(hit.document)["source"] == "heapq.txt" and hit.relevance > manifest.passages.gate
 
@@ -84,3 +88,69 @@ def test_add_forget_and_compact_keep_the_passages_in_step_and_a_forgotten_one_le
 
     after = {h.text: h.document for h in search(root, "parse command line arguments", 5)}
     assert after.keys() == before.keys() and all(after[t] == before[t] - (before[t] > 3) for t in after)  # numbers close up
+
+
+@pytest.fixture(scope="module")
+def doc_index(corpus, tmp_path_factory) -> PassageIndex:
+    """The embedded store's documents cut into paragraphs, one passage each (no tokenizer needed)."""
+    rows, names = [], sorted(corpus.glob("*.txt"))
+    for document, path in enumerate(names):
+        for start, paragraph in enumerate(p for p in path.read_text().split("\n\n") if p.strip()):
+            rows.append((document, start, start + 1, paragraph))
+    path = tmp_path_factory.mktemp("passages") / "passages.sqlite"
+    write_passages(path, rows)
+    index = PassageIndex(path)
+    index.names = [p.name for p in names]
+    yield index
+    index.close()
+
+
+QUESTION = "Return an iterator over the data in chunks."  # no stored passage says this
+WRAPPED = (
+    "{q}",
+    "Which function of the Python module heapq does this: {q}",
+    'In the Python module heapq, the function that does the following: "{q}" is heapq.',
+    "You are a helpful assistant who answers questions about Python libraries. Answer with the name only.\n\nQuestion: {q}\nAnswer: heapq.",
+)
+
+
+@pytest.mark.parametrize("form", WRAPPED, ids=["bare", "chat", "completion", "template"])
+def test_the_words_around_a_question_change_neither_its_passage_nor_its_relevance(doc_index, form):
+    stored = "Merge multiple sorted inputs into a single sorted output."  # heapq.merge's docstring begins so
+    (bare,) = doc_index.search(stored, 1)
+    (hit,) = doc_index.search(form.format(q=stored), 1)
+    assert doc_index.names[hit.document] == "heapq.txt" and (hit.id, hit.relevance) == (bare.id, bare.relevance)
+    off = doc_index.search(form.format(q=QUESTION), 1)
+    assert not off or off[0].relevance < hit.relevance / 2, off  # words the store holds, but not in that order
+
+
+def test_keywords_find_the_passage_that_holds_them_in_order(doc_index):
+    (hit,) = doc_index.search("heapq merge multiple sorted inputs single output", 1)
+    assert doc_index.names[hit.document] == "heapq.txt" and "Merge multiple sorted inputs" in hit.text
+
+
+def test_a_passage_holding_the_question_word_for_word_ranks_above_one_that_only_shares_its_words(doc_index):
+    found = doc_index.search("Which function of statistics does this: Return the median (middle value) of numeric data.", 5)
+    assert "Return the median (middle value) of numeric data" in found[0].text and len(found) == 5
+    assert [p.relevance for p in found] == sorted((p.relevance for p in found), reverse=True)
+    assert found[0].relevance > found[1].relevance  # the others share some of its words, not the sentence
+
+
+def test_a_gate_fitted_before_phrase_relevance_is_read_and_searched_as_then(doc_index):
+    entry = PassageIndexEntry.model_validate(
+        {
+            "file": {"path": "passages.sqlite", "bytes": 1, "sha256": "0" * 64},
+            "tokens": 128,
+            "passages": 1,
+            "gate": 1.1,
+            "gate_heldout_pass": 0.01,
+        }
+    )
+    assert entry.relevance == BM25_PER_WORD and entry.gate == 1.1
+    words = ["push", "item", "onto", "heap", "maintaining", "the", "invariant"]
+    with closing(sqlite3.connect(doc_index.path)) as db:
+        bm25 = db.execute(
+            "SELECT rowid, bm25(passages) FROM passages WHERE passages MATCH ? ORDER BY rank LIMIT 3", (" OR ".join(words),)
+        ).fetchall()
+    legacy = doc_index.search("Push item onto heap, maintaining the heap invariant.", 3, BM25_PER_WORD)
+    assert [(p.id, p.relevance) for p in legacy] == [(rowid, pytest.approx(-score / len(words))) for rowid, score in bm25]

@@ -4,9 +4,10 @@
                                                        in front of the prompt (0: none)
 
 Before vLLM sees a completion or chat request, its own text (the prompt; in a chat, the last user
-message) queries the datastore's passage index (knnlm_core/passages.py). Passages at or below the
-datastore's relevance gate (fitted at build time on held-out text) are left out, so a request
-about something the store does not hold gets no context. The rest go, best first, into the
+message) queries the datastore's passage index (knnlm_core/passages.py), which ranks passages by
+how much of the question they hold word for word, whatever text the question sits in. Passages at
+or below the datastore's relevance gate (fitted at build time on questions made from held-out
+documents) are left out, so a request about something the store does not hold gets no context. The rest go, best first, into the
 prompt: a completion's prompt gets them in front of it (a prompt of token ids, their token ids,
 which the response lists so that a client can score the same prompt again); a chat gets them as
 a system message at the start (after an existing system message's text). They must fit: prompt, context and the
@@ -74,8 +75,9 @@ def context_count(xargs: dict) -> int:
 
 def retrieve(info: DatastoreInfo, query: str, count: int, budget: int, count_tokens) -> Context:
     """Up to `count` passages of the datastore for `query` that pass its gate and fit `budget` tokens."""
-    found = passage_index(str(Path(info.path) / info.passages.file.path), info.passages.file.sha256).search(query, count)
-    gate = info.passages.gate
+    entry = info.passages
+    found = passage_index(str(Path(info.path) / entry.file.path), entry.file.sha256).search(query, count, entry.relevance)
+    gate = entry.gate
     relevant = [p for p in found if gate is None or p.relevance > gate]
     chosen, used = [], count_tokens(HEADER)
     for passage in relevant:
