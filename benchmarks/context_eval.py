@@ -1,5 +1,5 @@
 """Does the datastore's passage in the prompt answer what kNN in the logits cannot? "Which name does
-this?" from documentation, in three forms plus control items, per corpus, with kNN off, the
+this?" from documentation, in four forms plus control items, per corpus, with kNN off, the
 served kNN defaults, context alone (`knn_context`, kNN off) and context with the kNN defaults;
 and what the retrieval costs a request.
 

@@ -1,4 +1,4 @@
-"""knnlm-eval items: "which name does this?" items from a documentation corpus, in three forms,
+"""knnlm-eval items: "which name does this?" items from a documentation corpus, in four forms,
 with the control documents apart; every generated item splits cleanly at SmolLM2's token boundary."""
 
 from __future__ import annotations

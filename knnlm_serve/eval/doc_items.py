@@ -1,8 +1,9 @@
 """Task items from a documentation corpus: for each documented name, "which name does this?" asked
-in three forms, so that a user can see how far kNN's gains reach beyond the stored text.
+in four forms, so that a user can see how far kNN's gains reach beyond the stored text.
 
   stored-form  the document's own text up to the name (what the datastore holds, verbatim)
   question     the name's first sentence asked as a question
+  sentence     the first sentence quoted inside the sentence that the name completes
   paraphrase   the first sentence, then a cross-reference to the name (near the stored form)
 
 Items from documents kept out of the datastore are the control (kind `control/<form>`): kNN
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from knnlm_serve.eval.text import EvalError
 
-FORMS = ("stored-form", "question", "paraphrase")
+FORMS = ("stored-form", "question", "sentence", "paraphrase")
 SUFFIXES = (".txt", ".md", ".rst")
 CONTEXT_CHARS = 1000  # the stored form's prompt: about this much text before the name, from a line start
 
@@ -70,7 +71,7 @@ def _first_sentence(body: str) -> str:
 
 
 def items_for(definition: Definition, kind_prefix: str = "") -> list[dict]:
-    """The three forms of one definition as task items (prompt, answer, id, kind)."""
+    """The four forms of one definition as task items (prompt, answer, id, kind)."""
     qualifier, _, last = definition.name.rpartition(".")
     qualifier = qualifier + "." if qualifier else ""
     # A name after a space is one token with that space (byte-level BPE): the space goes into the answer.
@@ -84,6 +85,10 @@ def items_for(definition: Definition, kind_prefix: str = "") -> list[dict]:
         "stored-form": (stored, answer),
         "question": (
             f"Question: Which {'name in ' + qualifier.rstrip('.') if qualifier else 'name'} does this? {definition.summary}\nAnswer: {lead}",
+            last,
+        ),
+        "sentence": (
+            f'The name {"in " + qualifier.rstrip(".") + " " if qualifier else ""}that does the following: "{definition.summary}" is {lead}',
             last,
         ),
         "paraphrase": (f"{definition.summary}\n\nSee also: {lead}", last),
@@ -118,7 +123,7 @@ def generate_items(
     stored: list[Path], control: list[Path] = (), limit: int = 200, control_limit: int = 60, seed: int = 0, datastore: Path | None = None
 ) -> list[dict]:
     """Items for up to `limit` definitions of the stored documents and `control_limit` of the
-    control documents (a seeded sample, in corpus order), three forms each. With `datastore`, a
+    control documents (a seeded sample, in corpus order), four forms each. With `datastore`, a
     document it does not serve (its build held it out for calibration, or it was forgotten) joins
     the control: a document is matched by the sha256 of its text, as the build recorded it."""
     stored_files, control_files = corpus_files(stored), corpus_files(control) if control else []

@@ -16,7 +16,7 @@ from knnlm_serve.eval.task_items import read_items
 from knnlm_serve.eval.tasks import markdown, plot, run_tasks
 from knnlm_serve.eval.text import EvalError
 
-ITEMS_USAGE = """Write task items ("which name does this?" in three forms) from a documentation corpus:
+ITEMS_USAGE = """Write task items ("which name does this?" in four forms) from a documentation corpus:
 docstring-layout .txt, Markdown or reStructuredText files. Pass the documents your datastore holds,
 and with --control documents it does not hold.
 
