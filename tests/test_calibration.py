@@ -301,12 +301,17 @@ def test_calibrate_without_text_refits_the_slice_the_build_held_out(datastores, 
 
     shutil.copytree(datastores / "cal", datastores / "refit")
     built = read_manifest(datastores / "cal").calibration
+    # Its gate as a build fitted it before phrase relevance: the refit fits the gate a build fits now.
+    manifest = read_manifest(datastores / "refit")
+    legacy = {"relevance": "bm25_per_word", "gate": 1.1, "gate_heldout_pass": 0.01, "gate_stored_pass": 0.9}
+    old = manifest.passages.model_copy(update=legacy | {"gate_questions": None, "gate_offtopic_pass": None, "gate_answerable_pass": None})
+    write_manifest(datastores / "refit", manifest.model_copy(update={"passages": old}))
     refit = recalibrate(datastores / "refit", [], tiny_model_dir, CONFIG, progress=False)
     new = refit.calibration
     assert new.heldout == built.heldout and refit.calibration_history == [built]  # same slice, old fit kept
     assert (new.lambda_, new.k, new.temperature, new.mode) == (built.lambda_, built.k, built.temperature, built.mode)
     assert new.skip.threshold == pytest.approx(built.skip.threshold) and new.knn_ppl == pytest.approx(built.knn_ppl, rel=1e-4)
-    assert refit.passages.gate is not None and refit.passages == read_manifest(datastores / "cal").passages  # the gate too
+    assert refit.passages.relevance == "phrase" and refit.passages == read_manifest(datastores / "cal").passages  # the gate too
     looser = recalibrate(datastores / "refit", [], tiny_model_dir, CONFIG.model_copy(update={"skip_tolerance": 0.05}), progress=False)
     assert looser.calibration.skip.tolerance == 0.05 and looser.calibration.skip.threshold <= built.skip.threshold  # skips more
 
