@@ -140,10 +140,6 @@ class PassageIndex:
             (" OR ".join(f'"{w}"' for w in query), k),
         ).fetchall()
 
-    def texts(self) -> list[str]:
-        """Every passage's text, in passage order."""
-        return [row[0] for row in self._db.execute("SELECT text FROM passages ORDER BY rowid")]
-
     def close(self) -> None:
         self._db.close()
 
