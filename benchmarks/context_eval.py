@@ -8,10 +8,12 @@ and what the retrieval costs a request.
                                                        # each item the user's message in the chat template
     .venv/bin/python benchmarks/context_eval.py --corpora sympy --passages 1 --out DIR/context_eval
                                                        # a third corpus, no setting chosen on it
+    .venv/bin/python benchmarks/context_eval.py --corpora networkx matplotlib --passages 1 --no-beside-served \
+        --limit 30 --control-limit 15 --out DIR/context_eval   # half the items, without kNN beside the passage
 
 Corpora, items and control as benchmarks/task_eval.py (pydocs: the embedded default datastore;
 networkx: a `knnlm-index build` of the networkx algorithms' docstrings; sympy: the same of sympy's
-modules, about 25 min more for its build), each served as built (its own calibration and passage
+modules, about 25 min more for its build; matplotlib: the same of matplotlib's), each served as built (its own calibration and passage
 gate). The cost: the passage search's time for each item's question, in-process, median and p99
 per corpus. Writes benchmarks/results/context_eval/<corpus>/tasks.*, and
 benchmarks/results/context_eval.json, .md and .png.
@@ -76,7 +78,7 @@ def evaluate_corpus(name: str, datastore: Path, docs: Path, control: Path, work:
         knnlm_eval(
             "tasks", items, "--base-url", server.base_url,
             "--set", f"context:knn=false,knn_context={args.passages}",
-            "--set", f"context+served:knn_context={args.passages}",
+            *(["--set", f"context+served:knn_context={args.passages}"] if args.beside_served else []),
             *(["--chat"] if args.chat else []), "-o", out / name,
         )  # fmt: skip
     report = json.loads((out / name / "tasks.json").read_text())
@@ -90,6 +92,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passages", type=int, default=2, help="knn_context: passages put in the prompt")
     parser.add_argument("--chat", action="store_true", help="ask through the chat template (knnlm-eval tasks --chat)")
+    parser.add_argument(
+        "--beside-served",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also score the passages with the kNN defaults beside them",
+    )
     parser.add_argument("--limit", type=int, default=60, help="documented names sampled per corpus from the stored documents")
     parser.add_argument("--control-limit", type=int, default=30, help="and from the control documents")
     parser.add_argument("--corpora", nargs="+", default=DEFAULT_CORPORA, choices=CORPORA)
