@@ -145,6 +145,15 @@ class KnnConfig(_Strict):
     )
     datastore_root: str | None = Field(None, description="admin API: datastores may be loaded only from below this directory")
     admin_token: str | None = Field(None, description="admin API token (or env KNNLM_ADMIN_TOKEN); unset = admin API disabled")
+    keys_file: str | None = Field(
+        None,
+        description="tenants: YAML file of API keys, each with the datastores it may use and its rights there "
+        "(knnlm_core/keys_file.py, docs/serving.md#tenants); re-read when it changes. Unset: every client reaches "
+        "every datastore (behind vLLM's --api-key, if given)",
+    )
+    audit_log: str | None = Field(
+        None, description="tenants: append one JSON line per request that read or was refused a datastore to this file"
+    )
     gpu: bool | None = Field(None, description="shards on the GPU (flat: torch; IVF: faiss-gpu); default: where faiss-gpu and Ray see one")
     gpu_fraction: float = Field(0.1, gt=0, le=1, description="share of a GPU each Ray shard actor reserves")
     shard_threads: int | None = Field(None, gt=0, description="FAISS threads per shard actor; default: the node's cores")
@@ -215,6 +224,8 @@ class KnnConfig(_Strict):
             for field in ("k", "min_pointers"):
                 if (getattr(override, field) or 0) > self.max_k:
                     raise ValueError(f"overrides.{name}.{field} ({getattr(override, field)}) exceeds max_k ({self.max_k})")
+        if self.audit_log is not None and self.keys_file is None:
+            raise ValueError("audit_log records the tenants' requests: set keys_file too, or remove audit_log")
         if self.default_datastore is not None and self.default_datastore not in self.datastores:
             raise ValueError(f"default_datastore {self.default_datastore!r} is not one of datastores {sorted(self.datastores)}")
         return self

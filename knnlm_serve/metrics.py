@@ -89,6 +89,18 @@ CONTEXT_FAILURES = Counter(
     "knnlm_context_failures", "requests served without in-context passages because retrieving them failed", ["datastore"]
 )
 REQUESTS = Counter("knnlm_requests", "requests admitted, by datastore ('none' = kNN off)", ["datastore"])
+TENANT_REQUESTS = Counter(
+    "knnlm_tenant_requests",
+    "tenants: requests by key id ('none': no usable key; 'other': past the first 100 ids) and decision (allowed / denied)",
+    ["key", "decision"],
+)
+TENANT_DENIALS = Counter(
+    "knnlm_tenant_denials",
+    "tenants: refused requests by key id and reason (missing, twice, form, unknown, expired, requests_per_minute, "
+    "tokens_per_minute, not_granted, right)",
+    ["key", "reason"],
+)
+TENANT_TOKENS = Counter("knnlm_tenant_tokens", "tenants: prompt and generated tokens by key id, from each response's usage", ["key"])
 DATASTORE_INFO = Gauge(
     "knnlm_datastore_info",
     "serving datastores (value 1) and the mixing defaults in force; settings_from = where λ came from",

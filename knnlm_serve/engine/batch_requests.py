@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from knnlm_serve.engine.request_params import LM_ONLY, KnnParamError, KnnParams, RequestKnobs, with_defaults
+from knnlm_serve.engine.request_params import LM_ONLY, WIRE_KEY, KnnParamError, KnnParams, RequestKnobs, with_defaults
 from knnlm_serve.runtime import DatastoreInfo, Runtime
 
 logger = logging.getLogger("knnlm_serve")
@@ -75,6 +75,8 @@ class BatchRequests:
         request = self._requests.get(request_id)
         if request is None:
             request = self._requests[request_id] = read(request_id)
+        if request.params is None and runtime.knn.keys_file is not None and WIRE_KEY not in (request.extra_args or {}):
+            request.params = LM_ONLY  # with tenants, only the routes that check a key's grants reach a datastore
         if request.params is None:
             try:
                 knobs = RequestKnobs.from_extra_args(request.extra_args, runtime.datastores, runtime.knn.max_k)

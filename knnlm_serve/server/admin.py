@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import APIRouter, Body, Depends, FastAPI
+from fastapi import APIRouter, Body, Depends, FastAPI, Header, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, StrictBool
 
 from knnlm_core.config import KeyType
@@ -34,6 +34,7 @@ from knnlm_serve.app_state import published_registry, registry_loaded
 from knnlm_serve.engine.worker_extension import ATTACH, SET_RUNTIME, WORKER_STATE
 from knnlm_serve.runtime import Runtime
 from knnlm_serve.server.admin_access import admin_registry, check_name, parse_body, resolve_in_root
+from knnlm_serve.server.grants import key_listing, tenant_of
 from knnlm_serve.server.http_errors import STATUS, KnnHTTPError, KnnRoute, http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
@@ -66,8 +67,15 @@ router = APIRouter(prefix="/v1/knn", tags=["kNN datastore admin"], route_class=K
 
 
 @router.get("/datastores")
-def list_datastores(registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
-    return registry.describe()
+def list_datastores(request: Request, x_admin_token: str | None = Header(None)) -> dict:
+    """Every datastore, for the admin token; a tenant's key sees its own (server/grants.py)."""
+    key = tenant_of(request.scope)
+    if key is not None and x_admin_token is None:
+        registry = getattr(request.app.state, "knnlm_registry", None)
+        if registry is None:
+            raise HTTPException(503, "kNN is not configured on this server (no knn.datastores)")
+        return key_listing(registry.describe(), key)
+    return admin_registry(request, x_admin_token).describe()
 
 
 @router.post("/datastores")
@@ -151,6 +159,14 @@ class KnnAdminPlugin:
         app.include_router(document_router)
         app.include_router(explain_router)
         app.add_middleware(AdmissionMiddleware)
+        registry = published_registry()
+        if registry is not None and registry.config.keys_file is not None:  # outside admission: a key first
+            from knnlm_serve.server.audit import AuditLog
+            from knnlm_serve.server.keyring import Keyring
+            from knnlm_serve.server.tenancy import TenantMiddleware
+
+            keyring = Keyring(registry.config.keys_file, lambda: {*registry.config.datastores, *registry.runtime.datastores})
+            app.add_middleware(TenantMiddleware, keyring=keyring, audit=AuditLog(registry.config.audit_log))
 
     async def init_state(self, engine_client, state, args) -> None:
         registry = published_registry()

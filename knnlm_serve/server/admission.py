@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KNOWN_KEYS, WIRE_KEY, KnnParamError, RequestKnobs, parse_knobs, raw_type_error, with_defaults
 from knnlm_serve.server import context as ctx
+from knnlm_serve.server.audit import record_of
+from knnlm_serve.server.grants import granted, tenant_of
 from knnlm_serve.server.http_errors import STATUS, error_response
+from knnlm_serve.server.tenancy import HIDE_USAGE
 
 logger = logging.getLogger("knnlm_serve")
 
@@ -46,7 +50,8 @@ class AdmissionMiddleware:
         body = b"".join(chunks)
         state = scope["app"].state
         registry = getattr(state, "knnlm_registry", None)
-        request = _knn_request(body) if registry is not None else None
+        key = tenant_of(scope)
+        request = _knn_request(body, every=key is not None) if registry is not None else None
         context = None
         if registry is not None:
             registry.note_request()
@@ -54,7 +59,7 @@ class AdmissionMiddleware:
             _count(registry.runtime, RequestKnobs())
         elif request is not None:
             try:
-                request, context = _admitted(state, registry, request, scope["path"])
+                request, context = _admitted(state, registry, request, scope)
             except KnnlmError as e:
                 refused = error_response(STATUS[e.kind], str(e), _param_of(e), "BadRequestError")
                 return await refused(scope, receive, send)
@@ -70,39 +75,73 @@ def _param_of(e: KnnlmError) -> str:
     return e.param or f"vllm_xargs.{ctx.KNOB}"
 
 
-def _knn_request(body: bytes) -> dict | None:
-    """The request, where it has `vllm_xargs` with a kNN knob; None for everything else."""
-    if b"knn" not in body:
+def _knn_request(body: bytes, every: bool) -> dict | None:
+    """The request, where it has `vllm_xargs` with a kNN knob (`every`: a tenant's, whatever it
+    has, for its key's datastore); None for everything else."""
+    if b"knn" not in body and not every:
         return None
     try:
         request = json.loads(body)
     except (ValueError, UnicodeDecodeError):
-        return None  # vLLM reports malformed JSON itself
-    if not isinstance(request, dict) or not isinstance(request.get("vllm_xargs"), dict):
+        return None  # vLLM reports malformed JSON itself (and a tenant's request reaches no datastore: engine/batch_requests.py)
+    if not isinstance(request, dict) or not isinstance(request.get("vllm_xargs", {}), dict):
         return None
-    if not any(k.startswith("knn") for k in request["vllm_xargs"]):
+    if not every and not any(k.startswith("knn") for k in request["vllm_xargs"]):
         return None
     return request
 
 
-def _admitted(state, registry, request: dict, path: str) -> tuple[dict, dict | None]:
+def _admitted(state, registry, request: dict, scope) -> tuple[dict, dict | None]:
     """The request with its knobs parsed into `WIRE_KEY` (and its passages in the prompt), and
     what the response says of the passages."""
-    runtime = registry.runtime
-    xargs = dict(request["vllm_xargs"])
+    runtime, path = registry.runtime, scope["path"]
+    xargs = dict(request.get("vllm_xargs") or {})
     if (error := raw_type_error(xargs)) is not None:
         raise error
     count = ctx.context_count(xargs)
     if ctx.KNOB in xargs and path not in CONTEXT_ROUTES:
         raise KnnParamError(ctx.KNOB, xargs[ctx.KNOB], f"absent: passages go into prompts on {' and '.join(CONTEXT_ROUTES)}")
     xargs.pop(ctx.KNOB, None)
-    knobs = parse_knobs(xargs, runtime.datastores, runtime.knn.max_k, route_keys=(ctx.KNOB,) if path in CONTEXT_ROUTES else ())
+    key = tenant_of(scope)
+    checked = {k: v for k, v in xargs.items() if k != "knn_datastore"} if key is not None else xargs  # a key's names: below
+    knobs = parse_knobs(checked, runtime.datastores, runtime.knn.max_k, route_keys=(ctx.KNOB,) if path in CONTEXT_ROUTES else ())
+    if key is not None:
+        knobs = _tenant_knobs(scope, key, knobs, xargs.get("knn_datastore"), runtime, count)
+        request = _with_usage(scope, request, path)
     _count(runtime, knobs)
     others = {k: v for k, v in xargs.items() if k not in KNOWN_KEYS}
     request = {**request, "vllm_xargs": {**others, WIRE_KEY: knobs.wire()}}
     if count == 0:
         return request, None
-    return _with_context(state, registry, request, path.endswith("chat/completions"), count, knobs.datastore or runtime.default)
+    request, described = _with_context(
+        state, registry, request, path.endswith("chat/completions"), count, knobs.datastore or runtime.default
+    )
+    if (record := record_of(scope)) is not None:
+        record.returned(described["passages"], "passage")
+    return request, described
+
+
+def _tenant_knobs(scope, key, knobs: RequestKnobs, requested, runtime, count: int) -> RequestKnobs:
+    """The knobs with the datastore the key may generate with: the one named, else its default,
+    else kNN off (never the server's default, which may be another tenant's)."""
+    enabled = runtime.knn.enabled if knobs.enabled is None else knobs.enabled
+    unknown = KnnParamError("knn_datastore", requested, "a datastore this API key may use (GET /v1/knn/datastores lists them)")
+    name = granted(scope, key, requested, "generate", runtime.datastores, unknown) if enabled or requested is not None or count else None
+    if name is None and count:
+        raise KnnParamError(ctx.KNOB, count, "absent, or beside vllm_xargs.knn_datastore: this API key has no default datastore")
+    return replace(knobs, datastore=name, enabled=False if name is None else knobs.enabled)
+
+
+def _with_usage(scope, request: dict, path: str) -> dict:
+    """A tenant's stream asked for its usage (charged to its key); the usage event is dropped
+    again where its client did not ask for it (server/tenancy.py)."""
+    options = request.get("stream_options")
+    if path not in CONTEXT_ROUTES or not request.get("stream") or not isinstance(options or {}, dict):
+        return request
+    if (options or {}).get("include_usage"):
+        return request
+    scope[HIDE_USAGE] = True
+    return {**request, "stream_options": {**(options or {}), "include_usage": True}}
 
 
 def _count(runtime, knobs: RequestKnobs) -> None:

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import uuid
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -45,6 +46,8 @@ from knnlm_serve.engine.request_params import (
     with_defaults,
 )
 from knnlm_serve.engine.worker_extension import TAKE_EXPLANATION
+from knnlm_serve.server.audit import record_of
+from knnlm_serve.server.grants import granted, tenant_of
 from knnlm_serve.server.http_errors import KnnRoute, http_error
 
 logger = logging.getLogger("knnlm_serve")
@@ -93,15 +96,25 @@ def _registry(request: Request):
 
 @router.get("/documents/{datastore}/{document}")
 def get_document(datastore: str, document: int, request: Request) -> dict:
-    info = _registry(request).runtime.datastores.get(datastore)
+    registry = _registry(request)
+    served = registry.runtime.datastores
+    unknown = HTTPException(404, f"no datastore {datastore!r} is serving; GET /v1/knn/datastores lists them")
+    if (key := tenant_of(request.scope)) is not None:
+        try:
+            granted(request.scope, key, datastore, "documents", served, unknown)
+        except KnnlmError as e:
+            raise http_error(e, registry) from None
+    info = served.get(datastore)
     if info is None:
-        raise HTTPException(404, f"no datastore {datastore!r} is serving; GET /v1/knn/datastores lists them")
+        raise unknown
     tokenizer = request.app.state.engine_client.get_tokenizer()
     try:
         provenance = provenance_of(info.path)
         tokens = provenance.tokens(document)
     except KnnlmError as e:
-        raise http_error(e, _registry(request)) from None
+        raise http_error(e, registry) from None
+    if (record := record_of(request.scope)) is not None:
+        record.returned([provenance.table.describe(document)], "whole")
     return {
         "datastore": {"name": info.name, "version": info.version},
         **origin(provenance.table, document, _registry(request)),
@@ -141,7 +154,15 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
     explain_id = uuid.uuid4().hex
     xargs["knn_explain"] = {"id": explain_id, "top": top}
     runtime = registry.runtime
-    knobs = parse_knobs(xargs, runtime.datastores, runtime.knn.max_k)
+    key = tenant_of(request.scope)
+    checked = {k: v for k, v in xargs.items() if k != "knn_datastore"} if key is not None else xargs  # a key's names: below
+    knobs = parse_knobs(checked, runtime.datastores, runtime.knn.max_k)
+    if key is not None:
+        requested = xargs.get("knn_datastore")
+        unknown = KnnParamError("knn_datastore", requested, "a datastore this API key may use (GET /v1/knn/datastores lists them)")
+        knobs = replace(knobs, datastore=granted(request.scope, key, requested, "explain", runtime.datastores, unknown))
+        if knobs.datastore is None:  # never the server's default, which may be another tenant's
+            raise KnnParamError("knn_datastore", None, "a datastore this API key may use: the key has no default datastore")
     params = with_defaults(knobs, runtime)
     if not params.active:
         raise KnnlmError(
@@ -199,6 +220,8 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
         explain_token(by_position[position], token, logprob, top, body.snippet_tokens, tokenizer, registry)
         for position, token, logprob in explained
     ]
+    if (record := record_of(request.scope)) is not None:
+        record.returned([n for t in explanation for n in t["neighbours"] if "document" in n], "snippet")
     return {
         "datastore": {"name": pinned[0], "version": pinned[1]},
         "prompt_tokens": len(prompt),
@@ -221,7 +244,7 @@ def explain_token(row: dict, token: int, logprob: float, top: int, width: int, t
     weights /= weights.sum()
     p_knn = float(weights[values == token].sum())
     recorded = row["lm"].get(str(token))
-    p_lm = float(np.exp(recorded)) if recorded is not None else served / (1 - lam)
+    p_lm = float(np.exp(recorded)) if recorded is not None else (served / (1 - lam) if lam < 1 else None)  # λ 1: p_LM unused
     provenance = provenance_of(row["datastore"][2])
     order = np.argsort(-weights, kind="stable")[:top]
     documents, read_to = provenance.locate(ids[order])
@@ -245,4 +268,5 @@ def explain_token(row: dict, token: int, logprob: float, top: int, width: int, t
                 "snippet": f"{tokenizer.decode(before.tolist())}[[{next_token}]]{tokenizer.decode(after.tolist())}",
             }
         )
-    return {**out, "lambda": lam, "p_lm": p_lm, "p_knn": p_knn, "p": lam * p_knn + (1 - lam) * p_lm, "neighbours": neighbours}
+    p = lam * p_knn + (1 - lam) * (p_lm or 0.0)
+    return {**out, "lambda": lam, "p_lm": p_lm, "p_knn": p_knn, "p": p, "neighbours": neighbours}

@@ -35,9 +35,10 @@ def http_error(e: KnnlmError, registry) -> KnnHTTPError:
     return KnnHTTPError(STATUS[e.kind], registry.public(str(e)), e.param)
 
 
-def error_response(status: int, message: str, param: str | None, kind: str | None = None) -> JSONResponse:
-    """vLLM's error body, `{"error": {message, type, param, code}}` (type: the status's phrase unless given)."""
-    error = {"message": message, "type": kind or HTTPStatus(status).phrase, "param": param, "code": status}
+def error_response(status: int, message: str, param: str | None, kind: str | None = None, code: str | None = None) -> JSONResponse:
+    """vLLM's error body, `{"error": {message, type, param, code}}` (type: the status's phrase
+    unless given; code: the status unless given, e.g. OpenAI's `invalid_api_key`)."""
+    error = {"message": message, "type": kind or HTTPStatus(status).phrase, "param": param, "code": code or status}
     return JSONResponse({"error": error}, status_code=status)
 
 

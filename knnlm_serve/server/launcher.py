@@ -27,6 +27,7 @@ from knnlm_core.config import ServeConfig
 from knnlm_core.config_file import load_serve_config
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for, prepare_default_model
 from knnlm_core.errors import ConfigError, KnnlmError, ModelError
+from knnlm_core.keys_file import check_keys_config, new_key
 from knnlm_core.model_dir import architecture_of, check_model_dir
 from knnlm_serve.app_state import publish_registry, registry_loaded
 from knnlm_serve.logs import log_to_stderr
@@ -84,6 +85,8 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     from knnlm_serve.server.registry import DatastoreRegistry
 
     model = ServedModel.inspect(model_dir)
+    if config.knn.keys_file is not None:  # before Ray starts: a bad keys file stops the start
+        check_keys_config(config.knn.keys_file, config.knn.datastores, config.vllm_args)
     for name, path in config.knn.datastores.items():  # a wrong path or model is refused before Ray and vLLM start
         if path != DEFAULT_DATASTORE:
             try:
@@ -237,7 +240,7 @@ def check_accelerator() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="knnlm-serve", description=__doc__)
-    parser.add_argument("command", nargs="?", choices=["serve", "prepare-model"], default="serve")
+    parser.add_argument("command", nargs="?", choices=["serve", "prepare-model", "new-key"], default="serve")
     parser.add_argument("--config", help="YAML file with the server settings (see configs/)")
     parser.add_argument("--model", help='"default" or an HF causal-LM directory (overrides the config)')
     parser.add_argument("--host")
@@ -256,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.command == "new-key":  # a tenant's API key, and the SHA-256 that knn.keys_file holds instead
+        return print("key:    {}\nsha256: {}\n(the client gets the key; knn.keys_file holds only its sha256)".format(*new_key()))
     try:
         config = load_serve_config(args.config, model=args.model, host=args.host, port=args.port)
         if args.ray_address:

@@ -27,10 +27,13 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, config: dict, workdir: Path, startup_timeout: float = 900, env: dict[str, str] | None = None):
+    def __init__(
+        self, config: dict, workdir: Path, startup_timeout: float = 900, env: dict[str, str] | None = None, api_key: str | None = None
+    ):
         import yaml
 
         self.env = {**os.environ, **(env or {})}
+        self.api_key = api_key  # the key its clients send (a tenant's, where the server has knn.keys_file)
 
         self.port = config.get("port") or free_port()
         self.config = {**config, "port": self.port, "host": "127.0.0.1"}
@@ -54,7 +57,8 @@ class RunningServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.base_url}/v1/models", timeout=2) as response:
+                models = urllib.request.Request(f"{self.base_url}/v1/models", headers=self.auth_headers())
+                with urllib.request.urlopen(models, timeout=2) as response:
                     if "data" in json.load(response):  # vLLM's model list, not another process on the port
                         return self
             except (OSError, ValueError):
@@ -77,10 +81,13 @@ class RunningServer:
     def log_tail(self, n: int = 4000) -> str:
         return self.log_path.read_text()[-n:]
 
-    def openai_client(self):
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def openai_client(self, api_key: str | None = None):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused")
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key or self.api_key or "unused")
 
 
 def scrape_metrics(base_url: str) -> dict[str, float]:
