@@ -11,6 +11,7 @@ them), hot-swap and shard-kill events in the middle of a run, and the plots.
                                                     # (its shard kill goes through Ray: set RAY_ADDRESS to its cluster)
     python loadtest/run.py ... --record default     # also replace the tracked report loadtest/results/default/
     python loadtest/run.py --draft-tokens 4         # kNN-on runs with datastore drafts (speculative decoding)
+    python loadtest/run.py --keys-file keys.yaml --api-key KEY   # a server with tenants, requests with a key
     python loadtest/run.py --prompts questions.jsonl --knn-xargs '{"knn": false, "knn_context": 1}'
                                                     # your prompts; the "on" runs put a passage in the prompt
 
@@ -83,6 +84,12 @@ def main() -> None:
     parser.add_argument("--model", help="served model name (with --base-url)")
     parser.add_argument("--tokenizer", help="the served model's directory (with --base-url)")
     parser.add_argument("--admin-token", default="loadtest-admin", help="for the swap/kill events")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="the API key requests send (a tenant's: knn.keys_file); default: OPENAI_API_KEY",
+    )
+    parser.add_argument("--keys-file", type=Path, help="the started server's knn.keys_file (give --api-key a key of it)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson open-loop request rate (req/s); 0 = skip")
     parser.add_argument("--prompts-per-level", type=int, default=2, help="requests per run = this x concurrency (min 8)")
@@ -130,6 +137,8 @@ def main() -> None:
     args = parser.parse_args()
 
     extra = dict(item.split("=", 1) for item in args.datastore)
+    if args.api_key:
+        os.environ["OPENAI_API_KEY"] = args.api_key  # vLLM's benchmark client sends it as `Authorization: Bearer`
     out = args.out / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     (out / "runs").mkdir(parents=True)
     if args.prompts:
@@ -147,7 +156,7 @@ def main() -> None:
             print(f"loadtest: starting knnlm-serve ({args.config}) ...", flush=True)
             root = swap_root(args.config, args.swap_to)
             base_url, model, tokenizer = stack.enter_context(
-                started_server(args.config, args.admin_token, root, out, extra, args.draft_tokens)
+                started_server(args.config, args.admin_token, root, out, extra, args.draft_tokens, args.keys_file, args.api_key)
             )
         runs = []
 

@@ -77,7 +77,14 @@ def swap_root(config: Path, swap_to: str) -> Path:
 
 @contextlib.contextmanager
 def started_server(
-    config: Path, admin_token: str, datastore_root: Path, log_dir: Path, extra_datastores: dict[str, str], draft_tokens: int | None = None
+    config: Path,
+    admin_token: str,
+    datastore_root: Path,
+    log_dir: Path,
+    extra_datastores: dict[str, str],
+    draft_tokens: int | None = None,
+    keys_file: Path | None = None,
+    api_key: str | None = None,
 ):
     import yaml
 
@@ -92,7 +99,9 @@ def started_server(
     knn["datastores"] = {**knn.get("datastores", {}), **extra_datastores}
     if draft_tokens is not None:
         knn["draft_tokens"] = draft_tokens
-    with RunningServer(settings, log_dir) as server:
+    if keys_file is not None:
+        knn["keys_file"] = str(keys_file.resolve())
+    with RunningServer(settings, log_dir, api_key=api_key) as server:
         yield server.base_url, settings.get("served_model_name") or "default", str(resolve_model(settings.get("model", "default")))
 
 
