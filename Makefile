@@ -19,6 +19,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 
 test: lint
+	@bash scripts/browser.sh
 	$(PY) -m pytest tests
 
 test-fast: lint

@@ -151,6 +151,7 @@ class KnnConfig(_Strict):
         "(knnlm_core/keys_file.py, docs/serving.md#tenants); re-read when it changes. Unset: every client reaches "
         "every datastore (behind vLLM's --api-key, if given)",
     )
+    ui: bool = Field(False, description="serve the kNN page at /knn/ui/ (docs/serving.md#the-knn-page); off: that path is a 404")
     audit_log: str | None = Field(
         None, description="tenants: append one JSON line per request that read or was refused a datastore to this file"
     )

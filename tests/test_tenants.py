@@ -218,6 +218,7 @@ def test_a_missing_wrong_expired_or_misformed_key_is_a_401_that_never_echoes_it(
             secret = secret.removeprefix("Bearer ")
             assert secret not in response.text and key_hash(secret) not in response.text
     assert call(server, "GET", "/health", None).status_code == 200  # the probes stay open
+    assert call(server, "GET", "/knn/ui/", None).status_code == 404  # the kNN page is off (knn.ui)
 
 
 def test_a_key_sent_twice_is_a_401(server):

@@ -41,6 +41,7 @@ from knnlm_serve.server.registry import DatastoreRegistry
 logger = logging.getLogger("knnlm_serve")
 
 RPC_TIMEOUT_S = 60.0
+UI_PATH = "/knn/ui"  # the kNN page (knn.ui): static files of knnlm_serve/ui/, calling the API from the browser
 
 
 class LoadRequest(BaseModel):
@@ -160,6 +161,12 @@ class KnnAdminPlugin:
         app.include_router(explain_router)
         app.add_middleware(AdmissionMiddleware)
         registry = published_registry()
+        if registry is not None and registry.config.ui:
+            from pathlib import Path
+
+            from starlette.staticfiles import StaticFiles
+
+            app.mount(UI_PATH, StaticFiles(directory=Path(__file__).parents[1] / "ui", html=True), name="knnlm_ui")
         if registry is not None and registry.config.keys_file is not None:  # outside admission: a key first
             from knnlm_serve.server.audit import AuditLog
             from knnlm_serve.server.keyring import Keyring

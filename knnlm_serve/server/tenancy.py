@@ -1,7 +1,7 @@
 """Tenants at the door (`knn.keys_file`): every request names its key, or is refused before any route sees it.
 
 Installed only where keys are configured, outermost of our middlewares. Open without a key: the
-probes (/health, /ping, /version, /load) and /metrics. The admin routes keep their own token: a
+probes (/health, /ping, /version, /load), /metrics and the kNN page's files (it holds no data). The admin routes keep their own token: a
 request to them with X-Admin-Token passes here untouched. Everything else, vLLM's routes as much
 as ours, needs `Authorization: Bearer <key>` (401 `invalid_api_key` otherwise) and is held to the
 key's requests and tokens per minute (429 with Retry-After). The routes then ask `grants.granted`
@@ -25,6 +25,7 @@ from knnlm_serve.server.keyring import AuthError, Keyring, RateLimits, retry_aft
 logger = logging.getLogger("knnlm_serve")
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/load", "/metrics"})
+OPEN_PREFIXES = ("/knn/ui",)  # the kNN page's static files (knn.ui): it asks for the key, and sends it with each call
 USER_KNN_ROUTES = ("/v1/knn/explain", "/v1/knn/documents/")
 HIDE_USAGE = "knnlm.hide_usage"  # set by admission where it asked a stream for the usage its client did not
 
@@ -35,7 +36,7 @@ class TenantMiddleware:
         self.limits = RateLimits()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or _to_admin(scope):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["path"].startswith(OPEN_PREFIXES) or _to_admin(scope):
             return await self.app(scope, receive, send)
         record = AuditRecord.of(scope)
         try:
