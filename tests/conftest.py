@@ -165,3 +165,20 @@ def stream_while(
         for t in threads:
             t.join(timeout=300)
     return results, errors
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Debian's headless chromium (`make test` installs it: scripts/browser.sh), driven by Playwright."""
+    import shutil
+
+    from playwright.sync_api import sync_playwright
+
+    assert shutil.which("chromium"), "Debian's chromium is missing: `make test` installs it (scripts/browser.sh)"
+    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking"]
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=shutil.which("chromium"), args=[*flags, "--disable-component-update", "--disable-sync"]
+        )
+        yield browser
+        browser.close()

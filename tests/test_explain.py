@@ -114,6 +114,10 @@ def test_documents_come_back_whole_with_where_they_came_from(server):
     assert (record["source"], record["line"], record["id"], record["text"]) == ("tides.jsonl", 1, "tide-7", RECORDS[0]["text"])
 
 
+def test_the_knn_page_is_a_404_where_knn_ui_is_off(server):
+    assert requests.get(f"{server.base_url}/knn/ui/", timeout=30).status_code == 404
+
+
 @pytest.mark.parametrize(
     "call, status, message",
     [

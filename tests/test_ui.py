@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,6 @@ PREFIX = "The vault under the old lighthouse opens only when the keeper says the
 FACT = " zebra quartz maple lantern orbit velvet cobalt thistle ember falcon nimbus quill."
 ADDED_PREFIX = "The ferry to the northern islands leaves only after the harbour master rings"
 ADDED = " seven copper bells, then a silver gong, and the gulls answer from the breakwater."
-CHROMIUM = "/usr/bin/chromium"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "ui"
 
 
@@ -48,18 +46,6 @@ def server(tiny_model_dir, tmp_path_factory):
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    assert shutil.which("chromium"), "Debian's chromium is missing: `make test` installs it (scripts/browser.sh)"
-    flags = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking"]
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=[*flags, "--disable-component-update", "--disable-sync"])
-        yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -52,11 +52,18 @@ class TenantMiddleware:
             headers = {"Retry-After": retry_after(wait)}
             return await self._refuse(scope, receive, send, record, key.id, 429, message, "rate_limit_exceeded", headers)
         scope[TENANT_KEY], scope[AUDIT_KEY] = key, record
+        done = []
         try:
-            await self.app(scope, receive, self._charging(scope, send, key, record))
+            await self.app(scope, receive, self._charging(scope, send, key, record, done))
         finally:
-            metrics.TENANT_REQUESTS.labels(key_label(key.id), record.decision).inc()
-            self.audit.write(record)
+            if not done:  # no response started (the client left)
+                self._done(key, record, done)
+
+    def _done(self, key, record, done: list) -> None:
+        """Counted and audited once, as the response starts: the line is written before the client reads a byte."""
+        done.append(True)
+        metrics.TENANT_REQUESTS.labels(key_label(key.id), record.decision).inc()
+        self.audit.write(record)
 
     async def _refuse(self, scope, receive, send, record, key_id, status, message, code, headers=None):
         record.status = status
@@ -67,13 +74,14 @@ class TenantMiddleware:
         response.headers.update(headers or {})
         return await response(scope, receive, send)
 
-    def _charging(self, scope, send, key, record):
+    def _charging(self, scope, send, key, record, done: list):
         """`send`, noting the status and charging the usage the response reports to `key`."""
         buffered: list[bytes] = []
 
         async def sending(message):
             if message["type"] == "http.response.start":
                 record.status = message.get("status")
+                self._done(key, record, done)
                 return await send(message)
             if message["type"] == "http.response.body" and record.status == 200:
                 body = message.get("body", b"")
