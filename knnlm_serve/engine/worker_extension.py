@@ -25,6 +25,7 @@ def step_view(worker):
         from knnlm_serve.engine import vllm_adapter_v2
 
         return vllm_adapter_v2.StepView(vllm_adapter_v2.self_check(worker))
+    vllm_adapter.repair_cpu_draft_sampling()
     return vllm_adapter.StepView(vllm_adapter.self_check(worker))
 
 
