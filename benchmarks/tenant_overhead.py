@@ -1,15 +1,16 @@
 """What tenants cost: kNN on/off throughput at concurrency 32 on two servers started from the same
-config, one with `knn.keys_file` (every request checked against its key's grants, audited and
-charged to its key), one without.
+config, one with `knn.keys_file` (every request checked against its key's grants and charged to
+its key), one without. `--variant ui`: the same for the kNN page, `knn.ui` on against off.
 
-    .venv/bin/python benchmarks/tenant_overhead.py     # ~20 min on 2 CPU cores
+    .venv/bin/python benchmarks/tenant_overhead.py                 # ~20 min on 2 CPU cores
+    .venv/bin/python benchmarks/tenant_overhead.py --variant ui    # -> benchmarks/results/ui_overhead.json
 
 Both servers run at once (one is idle while the other is measured); after a warm-up round, each
 of `--pairs` rounds runs off and on against each server, the servers' order alternating, so
 machine noise hits both alike. Traffic is vLLM's serving benchmark through loadtest/bench.py,
 sending the key with every request (the server without keys ignores it). Reported: per round,
 with keys / without for kNN off and for kNN on, and each server's on/off; medians and spread.
-Writes benchmarks/results/tenant_overhead.{json,md}.
+Writes benchmarks/results/tenant_overhead.{json,md} (ui_overhead with --variant ui).
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ def keys_for(config: Path, work: Path) -> tuple[Path, str]:
     return path, key
 
 
+def with_ui(config: Path, on: bool, work: Path) -> Path:
+    """A copy of `config` with knn.ui set."""
+    settings = yaml.safe_load(config.read_text())
+    settings.setdefault("knn", {})["ui"] = on
+    path = work / f"config-ui-{'on' if on else 'off'}.yaml"
+    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+    return path
+
+
 def summary(values: list[float]) -> dict:
     return {"median": float(np.median(values)), "min": min(values), "max": max(values), "rounds": values}
 
@@ -57,8 +67,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/tenant_overhead.json")
+    parser.add_argument("--variant", choices=["keys", "ui"], default="keys", help="what the second server adds")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/tenant_overhead.json (ui_overhead.json)")
     args = parser.parse_args()
+    args.out = args.out or ROOT / "benchmarks/results" / ("tenant_overhead.json" if args.variant == "keys" else "ui_overhead.json")
 
     work = Path(tempfile.mkdtemp(prefix="knnlm-tenants-"))
     keys_file, key = keys_for(args.config, work)
@@ -68,14 +80,19 @@ def main() -> None:
     source = prompts_file(Path(dataset), 2 * n, 96)
     root = swap_root(args.config, "none")
     runs: list[dict] = []
+    variant = args.variant
+    if variant == "keys":
+        setups = {"plain": (args.config, None), "keys": (args.config, keys_file)}
+    else:
+        setups = {"plain": (with_ui(args.config, False, work), None), "ui": (with_ui(args.config, True, work), None)}
     with contextlib.ExitStack() as stack:
         servers = {}
-        for name, keys in (("plain", None), ("keys", keys_file)):
+        for name, (config, keys) in setups.items():
             print(f"tenant_overhead: starting the server {name} ...", flush=True)
             (log := work / name).mkdir()
-            servers[name] = stack.enter_context(started_server(args.config, "bench-admin", root, log, {}, None, keys, key))
+            servers[name] = stack.enter_context(started_server(config, "bench-admin", root, log, {}, None, keys, key))
         for i in range(args.pairs + 1):
-            order = ("plain", "keys") if i % 2 == 0 else ("keys", "plain")
+            order = ("plain", variant) if i % 2 == 0 else (variant, "plain")
             for name in order:
                 base_url, model, tokenizer = servers[name]
                 for knn in (False, True):
@@ -90,13 +107,14 @@ def main() -> None:
     by = {r["label"]: r["output_throughput"] for r in runs}
     rounds = range(1, args.pairs + 1)
     ratios = {
-        "keys_over_plain_knn_off": summary([by[f"keys-off-{i}"] / by[f"plain-off-{i}"] for i in rounds]),
-        "keys_over_plain_knn_on": summary([by[f"keys-on-{i}"] / by[f"plain-on-{i}"] for i in rounds]),
+        f"{variant}_over_plain_knn_off": summary([by[f"{variant}-off-{i}"] / by[f"plain-off-{i}"] for i in rounds]),
+        f"{variant}_over_plain_knn_on": summary([by[f"{variant}-on-{i}"] / by[f"plain-on-{i}"] for i in rounds]),
         "on_over_off_plain": summary([by[f"plain-on-{i}"] / by[f"plain-off-{i}"] for i in rounds]),
-        "on_over_off_keys": summary([by[f"keys-on-{i}"] / by[f"keys-off-{i}"] for i in rounds]),
+        f"on_over_off_{variant}": summary([by[f"{variant}-on-{i}"] / by[f"{variant}-off-{i}"] for i in rounds]),
     }
     report = {
         **run_record("tenant_overhead"),
+        "variant": variant,
         "config": str(args.config.resolve().relative_to(ROOT)) if args.config.resolve().is_relative_to(ROOT) else args.config.name,
         "concurrency": args.concurrency,
         "requests_per_run": n,
@@ -107,7 +125,8 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(report, indent=2))
     machine = f"{report['machine']['cpus']} CPU cores, no GPU"
-    lines = [f"# Tenants' cost at c{args.concurrency} ({report['created']}, commit {report['commit']}, {machine})", ""]
+    what = "Tenants'" if variant == "keys" else "The kNN page's"
+    lines = [f"# {what} cost at c{args.concurrency} ({report['created']}, commit {report['commit']}, {machine})", ""]
     lines += ["| output throughput ratio | median | min | max |", "|---|---|---|---|"]
     lines += [f"| {name} | {r['median']:.3f} | {r['min']:.3f} | {r['max']:.3f} |" for name, r in ratios.items()]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -205,9 +205,11 @@ async function run() {
   try {
     $("out-off").textContent = "";
     $("out-on").textContent = "";
-    await stream(chat, prompt, { knn: false }, maxTokens, (t) => ($("out-off").textContent = t));
-    const on = await stream(chat, prompt, { ...xargs, knn: true, ...(context ? { knn_context: context } : {}) }, maxTokens,
-      (t) => ($("out-on").textContent = t));
+    const [, on] = await Promise.all([  // side by side: the server batches the two
+      stream(chat, prompt, { knn: false }, maxTokens, (t) => ($("out-off").textContent = t)),
+      stream(chat, prompt, { ...xargs, knn: true, ...(context ? { knn_context: context } : {}) }, maxTokens,
+        (t) => ($("out-on").textContent = t)),
+    ]);
     showPassages(on.context);
     if (!chat && on.text) {
       // Scored against the prompt as typed: with passages, their prompt differs, and so may the shares.
