@@ -23,7 +23,7 @@ from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KNOWN_KEYS, WIRE_KEY, KnnParamError, RequestKnobs, parse_knobs, raw_type_error, with_defaults
 from knnlm_serve.server import context as ctx
 from knnlm_serve.server.audit import record_of
-from knnlm_serve.server.grants import granted, tenant_of
+from knnlm_serve.server.grants import granted, tenant_of, unknown_knob
 from knnlm_serve.server.http_errors import STATUS, error_response
 from knnlm_serve.server.tenancy import HIDE_USAGE
 
@@ -125,7 +125,7 @@ def _tenant_knobs(scope, key, knobs: RequestKnobs, requested, runtime, count: in
     """The knobs with the datastore the key may generate with: the one named, else its default,
     else kNN off (never the server's default, which may be another tenant's)."""
     enabled = runtime.knn.enabled if knobs.enabled is None else knobs.enabled
-    unknown = KnnParamError("knn_datastore", requested, "a datastore this API key may use (GET /v1/knn/datastores lists them)")
+    unknown = unknown_knob(requested)
     name = granted(scope, key, requested, "generate", runtime.datastores, unknown) if enabled or requested is not None or count else None
     if name is None and count:
         raise KnnParamError(ctx.KNOB, count, "absent, or beside vllm_xargs.knn_datastore: this API key has no default datastore")

@@ -47,7 +47,7 @@ from knnlm_serve.engine.request_params import (
 )
 from knnlm_serve.engine.worker_extension import TAKE_EXPLANATION
 from knnlm_serve.server.audit import record_of
-from knnlm_serve.server.grants import granted, tenant_of
+from knnlm_serve.server.grants import granted, tenant_of, unknown_knob
 from knnlm_serve.server.http_errors import KnnRoute, http_error
 
 logger = logging.getLogger("knnlm_serve")
@@ -159,7 +159,7 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
     knobs = parse_knobs(checked, runtime.datastores, runtime.knn.max_k)
     if key is not None:
         requested = xargs.get("knn_datastore")
-        unknown = KnnParamError("knn_datastore", requested, "a datastore this API key may use (GET /v1/knn/datastores lists them)")
+        unknown = unknown_knob(requested)
         knobs = replace(knobs, datastore=granted(request.scope, key, requested, "explain", runtime.datastores, unknown))
         if knobs.datastore is None:  # never the server's default, which may be another tenant's
             raise KnnParamError("knn_datastore", None, "a datastore this API key may use: the key has no default datastore")

@@ -12,6 +12,7 @@ from collections.abc import Collection
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.keys_file import Right, TenantKey
 from knnlm_serve import metrics
+from knnlm_serve.engine.request_params import KnnParamError
 from knnlm_serve.server.audit import record_of
 
 SCOPE_KEY = "knnlm.tenant"
@@ -21,6 +22,12 @@ ACTIONS = {"generate": "generate with", "explain": "explain with", "documents": 
 def tenant_of(scope) -> TenantKey | None:
     """The request's key, where the server has tenants."""
     return scope.get(SCOPE_KEY)
+
+
+def unknown_knob(requested) -> KnnParamError:
+    """What the completion routes and explain answer a tenant for a `knn_datastore` it may not
+    use, whether it exists or not."""
+    return KnnParamError("knn_datastore", requested, "a datastore this API key may use (GET /v1/knn/datastores lists them)")
 
 
 def granted(scope, key: TenantKey, requested: str | None, right: Right, served: Collection[str], unknown: Exception) -> str | None:
