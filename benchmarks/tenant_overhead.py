@@ -3,6 +3,7 @@ config, one with `knn.keys_file` (every request checked against its key's grants
 its key), one without. `--variant ui`: the same for the kNN page, `knn.ui` on against off.
 
     .venv/bin/python benchmarks/tenant_overhead.py                 # ~20 min on 2 CPU cores
+    .venv/bin/python benchmarks/tenant_overhead.py --audit         # with knn.audit_log too (-> ..._audit.json)
     .venv/bin/python benchmarks/tenant_overhead.py --variant ui    # -> benchmarks/results/ui_overhead.json
 
 Both servers run at once (one is idle while the other is measured); after a warm-up round, each
@@ -47,11 +48,11 @@ def keys_for(config: Path, work: Path) -> tuple[Path, str]:
     return path, key
 
 
-def with_ui(config: Path, on: bool, work: Path) -> Path:
-    """A copy of `config` with knn.ui set."""
+def with_knn(config: Path, work: Path, name: str, **knn) -> Path:
+    """A copy of `config` with these knn settings."""
     settings = yaml.safe_load(config.read_text())
-    settings.setdefault("knn", {})["ui"] = on
-    path = work / f"config-ui-{'on' if on else 'off'}.yaml"
+    settings.setdefault("knn", {}).update(knn)
+    path = work / f"config-{name}.yaml"
     path.write_text(yaml.safe_dump(settings, sort_keys=False))
     return path
 
@@ -68,9 +69,11 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--variant", choices=["keys", "ui"], default="keys", help="what the second server adds")
-    parser.add_argument("--out", type=Path, help="default: benchmarks/results/tenant_overhead.json (ui_overhead.json)")
+    parser.add_argument("--audit", action="store_true", help="keys: the server with keys also writes knn.audit_log")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/tenant_overhead[_audit].json (ui_overhead.json)")
     args = parser.parse_args()
-    args.out = args.out or ROOT / "benchmarks/results" / ("tenant_overhead.json" if args.variant == "keys" else "ui_overhead.json")
+    default = "ui_overhead" if args.variant == "ui" else "tenant_overhead_audit" if args.audit else "tenant_overhead"
+    args.out = args.out or ROOT / "benchmarks/results" / f"{default}.json"
 
     work = Path(tempfile.mkdtemp(prefix="knnlm-tenants-"))
     keys_file, key = keys_for(args.config, work)
@@ -82,9 +85,13 @@ def main() -> None:
     runs: list[dict] = []
     variant = args.variant
     if variant == "keys":
-        setups = {"plain": (args.config, None), "keys": (args.config, keys_file)}
+        keyed = with_knn(args.config, work, "audit", audit_log=str(work / "audit.jsonl")) if args.audit else args.config
+        setups = {"plain": (args.config, None), "keys": (keyed, keys_file)}
     else:
-        setups = {"plain": (with_ui(args.config, False, work), None), "ui": (with_ui(args.config, True, work), None)}
+        setups = {
+            "plain": (with_knn(args.config, work, "ui-off", ui=False), None),
+            "ui": (with_knn(args.config, work, "ui-on", ui=True), None),
+        }
     with contextlib.ExitStack() as stack:
         servers = {}
         for name, (config, keys) in setups.items():
@@ -115,6 +122,7 @@ def main() -> None:
     report = {
         **run_record("tenant_overhead"),
         "variant": variant,
+        "audit_log": args.audit,
         "config": str(args.config.resolve().relative_to(ROOT)) if args.config.resolve().is_relative_to(ROOT) else args.config.name,
         "concurrency": args.concurrency,
         "requests_per_run": n,
@@ -125,7 +133,7 @@ def main() -> None:
     }
     args.out.write_text(json.dumps(report, indent=2))
     machine = f"{report['machine']['cpus']} CPU cores, no GPU"
-    what = "Tenants'" if variant == "keys" else "The kNN page's"
+    what = ("Tenants' (with the audit log)" if args.audit else "Tenants'") if variant == "keys" else "The kNN page's"
     lines = [f"# {what} cost at c{args.concurrency} ({report['created']}, commit {report['commit']}, {machine})", ""]
     lines += ["| output throughput ratio | median | min | max |", "|---|---|---|---|"]
     lines += [f"| {name} | {r['median']:.3f} | {r['min']:.3f} | {r['max']:.3f} |" for name, r in ratios.items()]
