@@ -140,6 +140,10 @@ class Runtime(BaseModel):
     default: str | None = None
     ray_address: str | None = None
     generation: int = 0
+    # With tenants (knn.keys_file): a random token the API server puts in the knobs of each request
+    # it admitted; the workers serve any other request LM-only (a wire key forged through another
+    # vLLM route reaches no datastore).
+    admission_token: str | None = None
 
 
 @dataclass(frozen=True)

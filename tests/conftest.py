@@ -98,10 +98,10 @@ def prompt_logprobs(server, prompt: list[int], model: str = "tiny", **xargs):
     return np.array(result.choices[0].logprobs.token_logprobs[1 : len(prompt)], dtype=np.float64)
 
 
-def greedy(server, prompt, max_tokens: int, model: str = "tiny", **xargs):
-    """A greedy completion with its token ids and logprobs, with these vllm_xargs."""
+def greedy(server, prompt, max_tokens: int, model: str = "tiny", api_key: str | None = None, **xargs):
+    """A greedy completion with its token ids and logprobs, with these vllm_xargs (and this API key)."""
     return (
-        server.openai_client()
+        server.openai_client(api_key)
         .completions.create(
             model=model,
             prompt=prompt,

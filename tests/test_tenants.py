@@ -17,7 +17,7 @@ import openai
 import pytest
 import requests
 import yaml
-from conftest import STRICT_KNN, TINY_SERVER, continuations, until
+from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy, until
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -104,21 +104,6 @@ def call(server, method: str, route: str, key: str | None, headers: dict | None 
     return requests.request(method, f"{server.base_url}{route}", json=body or None, headers={**auth, **(headers or {})}, timeout=120)
 
 
-def complete(server, key: str, prompt, **xargs):
-    return (
-        server.openai_client(key)
-        .completions.create(
-            model="tiny",
-            prompt=prompt,
-            max_tokens=LENGTH,
-            temperature=0,
-            logprobs=1,
-            extra_body={"vllm_xargs": xargs, "return_token_ids": True},
-        )
-        .choices[0]
-    )
-
-
 def audit_lines(root: Path) -> list[dict]:
     path = root / "audit.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -131,7 +116,7 @@ def test_each_key_reads_only_its_own_datastore_on_every_route(server, root, ids)
         assert "path" not in listing["datastores"][0] and listing["datastores"][0]["rights"] == ALL
         # completions (with drafts and pointers on), named or by the key's default: the key's own store
         for xargs in ({}, {"knn_datastore": mine}, {"knn_pointers": 1}):
-            assert complete(server, key, ids["prompt"], **xargs).token_ids == ids[mine], xargs
+            assert greedy(server, ids["prompt"], LENGTH, api_key=key, **xargs).token_ids == ids[mine], xargs
         chat = server.openai_client(key).chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": QUESTION}], max_tokens=4, extra_body={"vllm_xargs": {"knn_context": 1}}
         )
@@ -193,9 +178,9 @@ def test_a_right_the_key_lacks_is_a_403_naming_it_and_no_default_means_knn_off(s
         response = call(server, "POST" if body else "GET", route, KEYS["gen"], **body)
         assert response.status_code == 403 and f"right '{right}'" in response.json()["error"]["message"], response.text
     # gen-only has no default datastore: naming none is kNN off, never the server's default (beta)
-    off = complete(server, KEYS["gen"], ids["prompt"], knn=False).token_ids
-    assert complete(server, KEYS["gen"], ids["prompt"]).token_ids == off != ids["beta"]
-    assert complete(server, KEYS["gen"], ids["prompt"], knn_datastore="alpha").token_ids == ids["alpha"]
+    off = greedy(server, ids["prompt"], LENGTH, api_key=KEYS["gen"], knn=False).token_ids
+    assert greedy(server, ids["prompt"], LENGTH, api_key=KEYS["gen"]).token_ids == off != ids["beta"]
+    assert greedy(server, ids["prompt"], LENGTH, api_key=KEYS["gen"], knn_datastore="alpha").token_ids == ids["alpha"]
 
 
 @pytest.mark.parametrize(
@@ -265,7 +250,7 @@ def test_past_its_limits_a_key_gets_429_with_retry_after(server, ids):
     with pytest.raises(openai.RateLimitError) as refused:  # (the client would wait Retry-After's seconds and retry)
         server.openai_client(KEYS["tpm"]).with_options(max_retries=0).completions.create(model="tiny", prompt=ids["prompt"], max_tokens=2)
     assert "tokens per minute" in str(refused.value) and int(refused.value.response.headers["Retry-After"]) >= 1
-    assert complete(server, KEYS["a"], ids["prompt"]).token_ids == ids["alpha"]  # other keys keep being served
+    assert greedy(server, ids["prompt"], LENGTH, api_key=KEYS["a"]).token_ids == ids["alpha"]  # other keys keep being served
 
 
 def test_thirty_two_streams_of_two_tenants_share_batches_and_never_see_each_others_store(server, root, ids):
@@ -367,3 +352,21 @@ def test_the_knn_page_with_a_key_shows_and_uses_only_that_keys_datastore(server,
     assert page.locator("#error").is_hidden() and len(on) > 10 and ENDINGS["beta"].startswith(on), on
     assert "alpha" not in page.content() and KEYS["b"] not in page.content()
     page.close()
+
+
+def test_knobs_forged_through_a_route_admission_does_not_check_reach_no_datastore(server, ids):
+    """vLLM's Anthropic route takes vllm_xargs too: a wire of the API server's own form naming
+    another tenant's store is served LM-only (the workers want the admission token)."""
+    forged = {"enabled": True, "datastore": "beta", "lambda_": 1.0, "k": 8, "admitted": "0" * 32}
+    searched = lambda: scrape_metrics(server.base_url).get('knnlm_retrieval_steps_total{datastore="beta"}', 0)  # noqa: E731
+    before = searched()
+    body = {
+        "model": "tiny",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": PREFIX}],
+        "vllm_xargs": {"knnlm": json.dumps(forged)},
+    }
+    response = call(server, "POST", "/v1/messages", KEYS["a"], **body)
+    assert response.status_code == 200, response.text
+    time.sleep(2)  # the workers' counters reach /metrics through their multiprocess files
+    assert searched() == before

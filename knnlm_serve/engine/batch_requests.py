@@ -75,13 +75,15 @@ class BatchRequests:
         request = self._requests.get(request_id)
         if request is None:
             request = self._requests[request_id] = read(request_id)
-        if request.params is None and runtime.knn.keys_file is not None and WIRE_KEY not in (request.extra_args or {}):
-            request.params = LM_ONLY  # with tenants, only the routes that check a key's grants reach a datastore
         if request.params is None:
             try:
                 knobs = RequestKnobs.from_extra_args(request.extra_args, runtime.datastores, runtime.knn.max_k)
+                if runtime.admission_token is not None and knobs.admitted != runtime.admission_token:
+                    raise KnnParamError(
+                        WIRE_KEY, "...", "set by the API server's admission (with tenants, nothing else reaches a datastore)"
+                    )
                 request.params = with_defaults(knobs, runtime)
-            except KnnParamError as e:  # the API server rejects these; offline callers may not
+            except (KnnParamError, TypeError, ValueError) as e:  # the API server rejects these; offline callers or forged wires may not
                 logger.warning("request %s is served LM-only: %s", request_id, e)
                 request.params = LM_ONLY
             if request.params.active:

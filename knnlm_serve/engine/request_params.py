@@ -96,6 +96,7 @@ class RequestKnobs:
     min_pointers: int | None = None
     drafts: bool | None = None
     explain_id: str | None = None  # record this request's evidence under this id (POST /v1/knn/explain)
+    admitted: str | None = None  # with tenants: the runtime's admission token, set by the API server
 
     def wire(self) -> str:
         """As JSON: `vllm_xargs` values are strings, numbers or lists."""

@@ -129,7 +129,7 @@ def _tenant_knobs(scope, key, knobs: RequestKnobs, requested, runtime, count: in
     name = granted(scope, key, requested, "generate", runtime.datastores, unknown) if enabled or requested is not None or count else None
     if name is None and count:
         raise KnnParamError(ctx.KNOB, count, "absent, or beside vllm_xargs.knn_datastore: this API key has no default datastore")
-    return replace(knobs, datastore=name, enabled=False if name is None else knobs.enabled)
+    return replace(knobs, datastore=name, enabled=False if name is None else knobs.enabled, admitted=runtime.admission_token)
 
 
 def _with_usage(scope, request: dict, path: str) -> dict:

@@ -160,7 +160,11 @@ async def _explain(body: ExplainRequest, request: Request, registry) -> dict:
     if key is not None:
         requested = xargs.get("knn_datastore")
         unknown = unknown_knob(requested)
-        knobs = replace(knobs, datastore=granted(request.scope, key, requested, "explain", runtime.datastores, unknown))
+        knobs = replace(
+            knobs,
+            datastore=granted(request.scope, key, requested, "explain", runtime.datastores, unknown),
+            admitted=runtime.admission_token,
+        )
         if knobs.datastore is None:  # never the server's default, which may be another tenant's
             raise KnnParamError("knn_datastore", None, "a datastore this API key may use: the key has no default datastore")
     params = with_defaults(knobs, runtime)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -51,7 +52,8 @@ class DatastoreRegistry:
     def __init__(self, knn: KnnConfig, model: ServedModel, ray_address: str | None):
         self.model = model
         self.config = knn  # the whole kNN config, secrets included: it stays in this process
-        self.runtime = Runtime(knn=knn.worker_settings(), ray_address=ray_address)
+        token = secrets.token_hex(16) if knn.keys_file is not None else None
+        self.runtime = Runtime(knn=knn.worker_settings(), ray_address=ray_address, admission_token=token)
         self._unhealthy: dict[tuple[str, int], str] = {}  # version -> the error its workers stopped using it for
         self._engine: EngineLink | None = None  # connected once vLLM's workers are up
         self._model_cpus: dict[str, list[int]] = {}  # host -> CPUs vLLM's workers are bound to
