@@ -18,20 +18,29 @@ def load_serve_config(path: str | Path | None, **overrides) -> ServeConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a mapping of settings at the top level")
+        data = yaml_mapping(path, str(path), "a mapping of settings") or {}
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return ServeConfig(**data)
     except ValidationError as e:
         where = f"{path}: " if path else ""
         raise ConfigError(f"{where}invalid configuration: {validation_message(e)}") from None
+
+
+def yaml_mapping(path: Path, name: str, expected: str) -> dict | None:
+    """The YAML mapping in `path` (None: an empty file); a ConfigError starting with `name` that
+    says where the YAML breaks, or what the top level should be."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{name}: cannot be read ({e.strerror}); give a readable YAML file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{name}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{name}: expected {expected} at the top level")
+    return data
 
 
 def validation_message(e: ValidationError) -> str:

@@ -27,9 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from knnlm_core.config_file import yaml_mapping
 from knnlm_core.errors import ConfigError
 
 Right = Literal["generate", "explain", "documents"]
@@ -91,16 +91,9 @@ def load_keys_file(path: str | Path, datastores: Collection[str]) -> KeysFile:
     """The keys file, checked against the datastores the server knows; a ConfigError naming the
     file and the field otherwise."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise ConfigError(f"knn.keys_file {path}: cannot be read ({e.strerror}); give a readable YAML file") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigError(f"knn.keys_file {path}: not valid YAML{where}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"knn.keys_file {path}: expected a mapping with a `keys` list at the top level")
+    data = yaml_mapping(path, f"knn.keys_file {path}", "a mapping with a `keys` list")
+    if data is None:
+        raise ConfigError(f"knn.keys_file {path}: the file is empty; give a mapping with a `keys` list")
     try:
         keys = KeysFile.model_validate(data)
     except ValidationError as e:
