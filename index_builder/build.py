@@ -25,17 +25,19 @@ from tqdm import tqdm
 import knnlm_core
 from index_builder.calibrate import calibrate_on
 from index_builder.faiss_index import DEFAULT_NPROBE, checked_factory_string
+from index_builder.part_build import index_in_parts, streams
+from index_builder.parts import sample_entries
 from index_builder.passages import build_passages
 from index_builder.shards import add_shards, train_once
 from index_builder.versions import prepare_workdir, publish, workdir
-from knnlm_core.config import BuildConfig, KeyType
+from knnlm_core.config import BuildCluster, BuildConfig, KeyType
 from knnlm_core.corpus import doc_offsets, find_files, iter_documents, no_text_error, token_ids
 from knnlm_core.datastore import file_entry, write_manifest
 from knnlm_core.errors import ConfigError, CorpusError, DatastoreError, ModelError
 from knnlm_core.files import write_json_atomic
 from knnlm_core.heldout import MIN_HELDOUT_TOKENS, split_heldout
-from knnlm_core.keys import KeyEncoder, encode_windows
-from knnlm_core.manifest import MANIFEST, QUANTIZER, BuildStats, CorpusStats, IndexSpec, Manifest, ModelIdentity
+from knnlm_core.keys import KeyEncoder, encode_windows, model_shape
+from knnlm_core.manifest import MANIFEST, QUANTIZER, BuildStats, CorpusStats, IndexSpec, Manifest, ModelIdentity, ShardEntry
 from knnlm_core.model_dir import check_model_dir, model_fingerprint
 from knnlm_core.provenance import PROVENANCE, DocumentTable
 from knnlm_core.windows import plan_windows, window_values
@@ -49,9 +51,12 @@ def build_datastore(
     model_dir: str | Path,
     config: BuildConfig = BuildConfig(),
     *,
+    cluster: BuildCluster = BuildCluster(),
     overwrite: bool = False,
     progress: bool = True,
 ) -> Manifest:
+    """A datastore of `inputs` at `output`: encoded here, or on the Ray cluster `cluster` names,
+    its keys streamed where `cluster` says so or they would pass its disk budget."""
     started = time.monotonic()
     output = Path(output).resolve()
     model_dir = check_model_dir(model_dir)
@@ -80,23 +85,25 @@ def build_datastore(
                 raise no_text_error(inputs, corpus.documents, corpus.skipped_files)
             if config.shards > plan.entries:
                 raise CorpusError(f"--shards {config.shards} is more than the {plan.entries} entries of this corpus")
-            encoder = KeyEncoder(model_dir, config.key_type, config.dtype)
-            checked_factory_string(config.index, plan.entries, encoder.dim, config.pca_dim)
+            dim, vocab = model_shape(model_dir, config.key_type)
+            factory = checked_factory_string(config.index, plan.entries, dim, config.pca_dim)
+            stream = streams(cluster, plan.entries, dim, work)
+            encoder = None if cluster.ray_address is not None or stream else KeyEncoder(model_dir, config.key_type, config.dtype)
         except (ConfigError, CorpusError, ModelError):
             shutil.rmtree(work)
             raise
-        encode_rate = encode_keys(work, tokens, plan, encoder, config, progress)
+        if encoder is None:
+            train_size, shards, encode_rate = index_in_parts(work, tokens, plan, model_dir, config, cluster, factory, dim, stream, progress)
+        else:
+            encode_rate = encode_keys(work, tokens, plan, encoder, config, progress)
+            del encoder  # free the model's memory before training and adding
+            keys = np.load(work / "keys.npy", mmap_mode="r")
+            train_size, shards = _index_keys(work, keys, window_values(tokens, plan), plan.entry_offsets, factory, config, progress)
         model = ModelIdentity(
-            name=model_dir.name,
-            fingerprint=model_fingerprint(model_dir),
-            hidden_size=encoder.dim,
-            vocab_size=encoder.model.config.vocab_size,
-            dtype=config.dtype,
+            name=model_dir.name, fingerprint=model_fingerprint(model_dir), hidden_size=dim, vocab_size=vocab, dtype=config.dtype
         )
-        del encoder  # free the model's memory before training and adding
-        keys = np.load(work / "keys.npy", mmap_mode="r")
         stats = {"context_length": config.context_length, "stride": config.stride, "encode_tokens_per_s": encode_rate}
-        manifest = _index_keys(work, keys, window_values(tokens, plan), model, config.key_type, config, corpus, stats, started, progress)
+        manifest = _manifest(work, model, factory, train_size, shards, plan.entries, dim, config.key_type, corpus, stats, started)
         np.save(work / "documents.npy", document_starts(offsets))
         table.write(work / PROVENANCE)
         passages = build_passages(
@@ -160,36 +167,48 @@ def build_from_keys(
     work.mkdir(parents=True)
     corpus = CorpusStats(sources=[source], documents=0, tokens=len(keys))
     stats = {"context_length": 0, "stride": 0, "encode_tokens_per_s": 0.0}
-    manifest = _index_keys(work, keys, np.asarray(values, dtype=np.int32), model, config.key_type, config, corpus, stats, started, progress)
+    factory = checked_factory_string(config.index, len(keys), keys.shape[1], config.pca_dim)
+    one_per_window = np.arange(len(keys) + 1)  # every key its own window: the sample is a random choice of keys
+    train_size, shards = _index_keys(work, keys, np.asarray(values, dtype=np.int32), one_per_window, factory, config, progress)
+    manifest = _manifest(work, model, factory, train_size, shards, len(keys), keys.shape[1], config.key_type, corpus, stats, started)
     write_manifest(work, manifest.model_copy(update={"calibration_note": "built from keys: no text to calibrate on"}))
     return _publish(work, output, progress)
 
 
 def _index_keys(
+    work: Path, keys, values, entry_offsets: np.ndarray, factory: str, config: BuildConfig, progress: bool
+) -> tuple[int, list[ShardEntry]]:
+    """Train the quantizer on the sample of the windows at `entry_offsets` and add the shards
+    (each phase resumable in `work`); the number of keys trained on and the shards."""
+    _, sample = sample_entries(entry_offsets, config.train_sample, config.seed)
+    train_size = train_once(work, factory, keys.shape[1], lambda: keys[sample], config.seed)
+    return train_size, add_shards(work, keys, values, work / "trained.faiss", config.shards, config.keep_keys, progress)
+
+
+def _manifest(
     work: Path,
-    keys,
-    values,
     model: ModelIdentity,
+    factory: str,
+    train_size: int,
+    shards: list[ShardEntry],
+    entries: int,
+    dim: int,
     key_type: KeyType,
-    config: BuildConfig,
     corpus: CorpusStats,
     stats: dict,
     started: float,
-    progress: bool,
 ) -> Manifest:
-    """Train the quantizer and add the shards (each phase resumable in `work`); the manifest to write."""
-    factory = checked_factory_string(config.index, len(keys), keys.shape[1], config.pca_dim)
-    train_size = train_once(work, keys, factory, config, progress)
-    shards = add_shards(work, keys, values, work / "trained.faiss", config.shards, config.keep_keys, progress)
-    if not (work / QUANTIZER).exists():  # kept: `knnlm-index add` puts new entries in copies of it
+    """The manifest of the trained, added shards in `work` (keeping the trained quantizer: `knnlm-index add`
+    puts new entries in copies of it)."""
+    if not (work / QUANTIZER).exists():
         os.link(work / "trained.faiss", work / QUANTIZER)
-    manifest = Manifest(
+    return Manifest(
         model=model,
         key_type=key_type,
-        dim=keys.shape[1],
+        dim=dim,
         index=IndexSpec(factory=factory, nprobe=DEFAULT_NPROBE if "IVF" in factory else None, train_size=train_size),
         quantizer=file_entry(work, work / QUANTIZER),
-        entries=len(keys),
+        entries=entries,
         shards=shards,
         corpus=corpus,
         build=BuildStats(
@@ -201,7 +220,6 @@ def _index_keys(
             tool_version=knnlm_core.__version__,
         ),
     )
-    return manifest
 
 
 def _check_output(output: Path, overwrite: bool) -> None:

@@ -11,18 +11,20 @@ import types
 import typing
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from knnlm_core.config import BuildConfig
+from knnlm_core.config import BuildCluster, BuildConfig
 from knnlm_core.config_file import flag_message
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for
 from knnlm_core.errors import ConfigError, KnnlmError
 from knnlm_core.flags import positive_int
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, model: type[BuildConfig]) -> None:
-    """One flag per BuildConfig field, with its type, choices, default and description."""
+def _add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of `model` (but `skip`), with its type, choices, default and description."""
     for name, field in model.model_fields.items():
+        if name in skip:
+            continue
         flag = "--" + name.replace("_", "-")
         annotation = field.annotation
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -55,6 +57,16 @@ def main(argv: list[str] | None = None) -> None:
     build.add_argument("--overwrite", action="store_true", help="replace an existing datastore at --output")
     build.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_config_flags(build, BuildConfig)
+    build.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        dest="ray_address",
+        metavar="ADDRESS",
+        help="encode and add on a running Ray cluster: its head's HOST:PORT, or none for RAY_ADDRESS or the cluster started "
+        "on this machine (docs/datastores.md#building-on-a-cluster)",
+    )
+    _add_config_flags(build, BuildCluster, skip=("ray_address",))
 
     calibrate = commands.add_parser(
         "calibrate", help="fit the served λ, τ, k and skip rule of a datastore on held-out text (rewrites only the manifest)"
@@ -128,13 +140,17 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "build":
             from index_builder.build import build_datastore
 
-            overrides = {name: getattr(args, name) for name in BuildConfig.model_fields if getattr(args, name) is not None}
             try:
-                config = BuildConfig(**overrides)
+                config, cluster = (
+                    model(**{name: getattr(args, name) for name in model.model_fields if getattr(args, name) is not None})
+                    for model in (BuildConfig, BuildCluster)
+                )
             except ValidationError as e:
                 raise ConfigError(flag_message(e)) from None
             model_dir = model_dir_for(args.model)
-            build_datastore(args.inputs, Path(args.output), model_dir, config, overwrite=args.overwrite, progress=not args.quiet)
+            build_datastore(
+                args.inputs, Path(args.output), model_dir, config, cluster=cluster, overwrite=args.overwrite, progress=not args.quiet
+            )
         elif args.command == "calibrate":
             from index_builder.calibrate import recalibrate
             from knnlm_core.datastore import read_manifest

@@ -73,6 +73,25 @@ class BuildConfig(_Strict):
         return self
 
 
+class BuildCluster(_Strict):
+    """Where `knnlm-index build` encodes and adds, and whether its keys stream; none of it changes
+    the datastore it makes."""
+
+    ray_address: str | None = Field(None, description="a running Ray cluster's HOST:PORT, or auto; None: this process")
+    workers: int | None = Field(None, gt=0, description="encode workers (default: one per GPU, else one per --worker-cpus CPUs)")
+    worker_cpus: float = Field(1.0, gt=0, description="CPUs of each encode worker (its torch threads on a CPU)")
+    worker_gpus: float | None = Field(None, ge=0, description="GPUs of each encode worker (default: 1 where the cluster has GPUs)")
+    stream: bool | None = Field(
+        None,
+        description="never write the whole corpus's keys: train on a sample, then encode and add shard by shard (default: "
+        "when the keys would pass the disk budget)",
+    )
+    disk_budget_gib: float | None = Field(
+        None, gt=0, description="the keys' disk budget that turns streaming on (default: half the free space)"
+    )
+    part_entries: int = Field(65_536, gt=0, description="entries per encode job: what a killed worker loses")
+
+
 class AdaptiveLambda(_Strict):
     """λ = lambda_max·sigmoid(slope·(center − d₁)), d₁ = the nearest neighbour's squared distance.
 

@@ -60,6 +60,17 @@ def supports_ffn_input(model_dir: Path) -> bool:
     return ffn_module(model) is not None
 
 
+def model_shape(model_dir: Path, key_type: KeyType) -> tuple[int, int]:
+    """(key dimension, vocabulary size) from the model's config, without loading its weights; a
+    key type the architecture has not is refused."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if key_type == "ffn_input" and not supports_ffn_input(model_dir):
+        raise no_ffn_input_error((config.architectures or [config.model_type])[0])
+    return config.hidden_size, config.vocab_size
+
+
 class _Captured(Exception):
     """Raised by the capture hook to stop the forward pass once the key vector exists."""
 
