@@ -62,6 +62,10 @@ def build_datastore(
     model_dir = check_model_dir(model_dir)
     _check_output(output, overwrite)
     files = find_files(inputs)
+    if cluster.ray_address is not None:  # an unreachable cluster is refused before anything is written
+        from index_builder.cluster import connect
+
+        connect(cluster.ray_address)
     work = workdir(output)
     prepare_workdir(
         work,

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import re
 import secrets
 import socket
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -25,7 +28,7 @@ from tqdm import tqdm
 
 from index_builder.parts import Job, PartKeys, encode_job, write_job
 from knnlm_core.config import BuildCluster, BuildConfig
-from knnlm_core.errors import ConfigError, CorpusError, KnnlmError, ModelError
+from knnlm_core.errors import ConfigError, KnnlmError
 from knnlm_core.files import write_json_atomic
 from knnlm_core.manifest import ShardEntry
 from knnlm_core.windows import WindowPlan
@@ -33,6 +36,10 @@ from knnlm_core.windows import WindowPlan
 logger = logging.getLogger("index_builder")
 
 TOKEN_FILE = "cluster.json"  # in the work directory: what a worker must see there
+NODE_CHECK_S, GIVE_UP_S = (
+    2.0,
+    30,
+)  # with no part done, how often the driver looks for a node that can run a worker; how long it waits for one
 INDEX_TOKENS, WINDOWS = "index_tokens.npy", "windows.npy"  # what the workers encode, in the work directory
 
 
@@ -43,6 +50,9 @@ class ClusterError(KnnlmError):
 def connect(address: str) -> dict[str, float]:
     """Join the Ray cluster at `address` ("auto": RAY_ADDRESS, else the cluster started on this
     machine); its resources."""
+    # No API call may start or join a Ray by itself: after a failure, Ray Data's threads would
+    # reconnect while the process exits (set before Ray is first imported, as the CLI does).
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     import ray
 
     if not ray.is_initialized():
@@ -128,6 +138,7 @@ class RayEncoder:
     def __init__(self, work: Path, model_dir: Path, config: BuildConfig, cluster: BuildCluster, plan: WindowPlan, tokens: np.ndarray):
         self.work, self.model_dir, self.config, self.plan = work, model_dir, config, plan
         self.workers, self.cpus, self.gpus = worker_shape(cluster, connect(cluster.ray_address))
+        self.node_wait_s = cluster.node_wait_s
         self.token = secrets.token_hex(16)
         write_json_atomic(work / TOKEN_FILE, {"token": self.token})
         for name, array in ((INDEX_TOKENS, tokens), (WINDOWS, plan.windows)):
@@ -141,9 +152,11 @@ class RayEncoder:
 
     def run(self, jobs: list[Job], bar: tqdm) -> None:
         import ray
+        import ray.data
 
         if not jobs:
             return
+        logging.getLogger("ray.data").setLevel(logging.ERROR)  # its plans and notes (set on import): the driver shows one bar
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # the driver's one bar instead
         context.wait_for_min_actors_s = 600
@@ -160,35 +173,66 @@ class RayEncoder:
                 "threads": max(1, int(self.cpus)),
             },
             batch_size=1,
-            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=min(self.workers, len(jobs))),
+            compute=ray.data.ActorPoolStrategy(size=min(self.workers, len(jobs))),
             num_cpus=self.cpus,
             num_gpus=self.gpus,
         )
-        try:
-            for row in pool.iter_rows():
-                if not Path(row["file"]).exists():
+        rows: queue.Queue = queue.Queue()
+        threading.Thread(target=_drain, args=(pool, rows), daemon=True).start()
+        unplaceable_since = None
+        while True:
+            try:
+                row = rows.get(timeout=NODE_CHECK_S)
+            except queue.Empty:
+                unplaceable_since = None if self._placeable() else (unplaceable_since or time.monotonic())
+                if unplaceable_since is not None and time.monotonic() - unplaceable_since > self.node_wait_s:
                     raise ClusterError(
-                        f"node {row['node']} wrote {row['file']}, which this machine does not see: --ray needs the datastore's "
-                        "parent directory on a filesystem every node shares"
-                    )
-                rate = self.rates[row["node"]]
-                rate[0] += row["tokens"]
-                rate[1] += row["seconds"]
-                bar.update(row["tokens"])
-        except ray.exceptions.RayError as e:
-            raise _cause(e) from None
+                        f"no node of the cluster could run an encode worker ({self.cpus:g} CPU, {self.gpus:g} GPU) for {self.node_wait_s:g} s: "
+                        "its nodes died; the parts encoded so far are kept, so rerunning the same command once nodes are back resumes"
+                    ) from None
+                continue
+            if row is None:
+                break
+            if isinstance(row, Exception):
+                raise _cause(row) from None
+            if not Path(row["file"]).exists():
+                raise ClusterError(
+                    f"node {row['node']} wrote {row['file']}, which this machine does not see: --ray needs the datastore's "
+                    "parent directory on a filesystem every node shares"
+                )
+            rate = self.rates[row["node"]]
+            rate[0] += row["tokens"]
+            rate[1] += row["seconds"]
+            bar.update(row["tokens"])
         for node, (fed, seconds) in sorted(self.rates.items()):
             logger.info("encode: node %s: %s tokens at %.0f tokens/s", node, f"{int(fed):,}", fed / max(seconds, 1e-9))
 
+    def _placeable(self) -> bool:
+        """Whether a live node of the cluster has the resources of one encode worker."""
+        import ray
 
-def _cause(error: Exception) -> Exception:
-    """Our own error inside a Ray failure, where one raised it; else the failure, said plainly."""
-    seen = error
-    while seen is not None:
-        if isinstance(seen, (ClusterError, ModelError, CorpusError)):
-            return seen
-        seen = getattr(seen, "cause", None) or seen.__cause__
+        return any(
+            n["Alive"] and n["Resources"].get("CPU", 0) >= self.cpus and n["Resources"].get("GPU", 0) >= self.gpus for n in ray.nodes()
+        )
+
+
+def _drain(pool, rows: queue.Queue) -> None:
+    """Every row of `pool` into `rows`, then None (or the error that ended it)."""
+    try:
+        for row in pool.iter_rows():
+            rows.put(row)
+        rows.put(None)
+    except Exception as e:  # noqa: BLE001 - handed to the driver's thread, which raises it
+        rows.put(e)
+
+
+def _cause(error: Exception) -> KnnlmError:
+    """Our own error inside a Ray failure (a worker's, carried as text), where one was raised;
+    else the failure, said plainly."""
     text = str(error).strip().splitlines()
+    ours = [line.split("Error: ", 1)[1] for line in text if re.match(r"\s*(\w+\.)*(ClusterError|ModelError|CorpusError): ", line)]
+    if ours:
+        return ClusterError(ours[-1])
     return ClusterError(
         f"the cluster's encode failed: {text[-1] if text else type(error).__name__}; the parts encoded so far are kept, "
         "so rerunning the same command resumes"

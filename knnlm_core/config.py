@@ -90,6 +90,11 @@ class BuildCluster(_Strict):
         None, gt=0, description="the keys' disk budget that turns streaming on (default: half the free space)"
     )
     part_entries: int = Field(65_536, gt=0, description="entries per encode job: what a killed worker loses")
+    node_wait_s: float = Field(
+        60.0,
+        gt=0,
+        description="how long the build waits for a node that can run an encode worker when none is left, before it stops (resumable)",
+    )
 
 
 class AdaptiveLambda(_Strict):
