@@ -40,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from run_record import run_record
 from task_eval import PACKAGE_CORPORA, STDLIB_CONTROL, package_corpus, package_modules
 
-from index_builder.build import load_tokenizer
+from index_builder.corpus_keys import load_tokenizer
 from index_builder.default_datastore import MODULES, module_documents
 from index_builder.passages import heldout_gate, passage_rows
 from knnlm_core.corpus import doc_offsets, token_ids

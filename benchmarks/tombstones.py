@@ -32,7 +32,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from run_record import run_record  # noqa: E402
 
-from index_builder.build import build_from_keys, document_starts  # noqa: E402
+from index_builder.build import build_from_keys  # noqa: E402
+from index_builder.corpus_keys import document_starts  # noqa: E402
 from index_builder.forget import forget_documents  # noqa: E402
 from knnlm_core.config import BuildConfig, KnnConfig  # noqa: E402
 from knnlm_core.datastore import file_entry, read_manifest, write_manifest  # noqa: E402

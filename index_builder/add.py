@@ -21,7 +21,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from index_builder.build import document_starts, encode_keys, load_tokenizer, tokenize_corpus
+from index_builder.corpus_keys import document_starts, encode_keys, load_tokenizer, tokenize_corpus
 from index_builder.passages import grown_passages, passage_rows
 from index_builder.shards import add_shards
 from index_builder.versions import link_version, one_writer, prepare_workdir, publish, read_with_documents, replace_array, workdir

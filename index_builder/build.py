@@ -3,7 +3,10 @@
 The build runs in a hidden sibling directory `.<name>.partial` and is renamed into place only
 after the manifest is written, so a killed build never leaves a directory that looks complete.
 Each phase leaves a durable result there (tokens, keys written batch by batch with a progress
-record, the trained index, finished shards), so rerunning the same command resumes.
+record, the trained index, finished shards), so rerunning the same command resumes. In one
+process the keys go to one fp16 file (index_builder/corpus_keys.py); on a Ray cluster, or
+streaming, they go in parts (index_builder/part_build.py). Either way the same windows are
+trained on and the same shards come out.
 
 `build_from_keys` is the second half on its own, for keys computed elsewhere (the benchmarks'
 synthetic stores): the same training, sharding and manifest.
@@ -11,7 +14,6 @@ synthetic stores): the same training, sharding and manifest.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -20,10 +22,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 import knnlm_core
 from index_builder.calibrate import calibrate_on
+from index_builder.corpus_keys import document_starts, encode_keys, load_tokenizer, tokenize_corpus
 from index_builder.faiss_index import DEFAULT_NPROBE, checked_factory_string
 from index_builder.part_build import index_in_parts, streams
 from index_builder.parts import sample_entries
@@ -31,12 +33,11 @@ from index_builder.passages import build_passages
 from index_builder.shards import add_shards, train_once
 from index_builder.versions import prepare_workdir, publish, workdir
 from knnlm_core.config import BuildCluster, BuildConfig, KeyType
-from knnlm_core.corpus import doc_offsets, find_files, iter_documents, no_text_error, token_ids
+from knnlm_core.corpus import find_files, no_text_error
 from knnlm_core.datastore import file_entry, write_manifest
 from knnlm_core.errors import ConfigError, CorpusError, DatastoreError, ModelError
-from knnlm_core.files import write_json_atomic
 from knnlm_core.heldout import MIN_HELDOUT_TOKENS, split_heldout
-from knnlm_core.keys import KeyEncoder, encode_windows, model_shape
+from knnlm_core.keys import KeyEncoder, model_shape
 from knnlm_core.manifest import MANIFEST, QUANTIZER, BuildStats, CorpusStats, IndexSpec, Manifest, ModelIdentity, ShardEntry
 from knnlm_core.model_dir import check_model_dir, model_fingerprint
 from knnlm_core.provenance import PROVENANCE, DocumentTable
@@ -233,67 +234,6 @@ def _check_output(output: Path, overwrite: bool) -> None:
         raise DatastoreError(f"{output} already holds a datastore; pass --overwrite to replace it")
     if not output.is_dir() or any(output.iterdir()):
         raise DatastoreError(f"{output} exists and is not an empty directory; choose another output or pass --overwrite")
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def document_starts(offsets: np.ndarray, first_entry: int = 0) -> np.ndarray:
-    """documents.npy for documents at token `offsets`: each document of n tokens gives n - 1
-    entries (every position but its last), in corpus order, from entry `first_entry`."""
-    return (first_entry + np.concatenate([[0], np.cumsum(np.maximum(np.diff(offsets), 1) - 1)])).astype(np.int64)
-
-
-def tokenize_corpus(work: Path, files: list[Path], model_dir: Path, config: BuildConfig, progress: bool) -> CorpusStats:
-    """All documents' token ids, concatenated, with document offsets and where each came from
-    (`corpus_documents.json`, the document table before the held-out slice); done once per build."""
-    stats_file = work / "corpus.json"
-    if stats_file.exists():
-        return CorpusStats.model_validate_json(stats_file.read_text())
-    tokenizer = load_tokenizer(model_dir)
-    skipped: list[str] = []
-    lengths, origins, first_tokens = [], [], []
-    raw = work / "tokens.bin"
-    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="tokenize", disable=not progress)
-    with open(raw, "wb") as out:
-        for document in iter_documents(files, text_field=config.text_field, on_bad_utf8=config.on_bad_utf8, skipped=skipped):
-            ids = token_ids(tokenizer, document.text)
-            if len(ids) == 0:
-                continue
-            out.write(ids.tobytes())
-            lengths.append(len(ids))
-            origins.append((str(document.source), document.line, document.id, document.sha256))
-            first_tokens.append(int(ids[0]))
-            bar.update(len(document.text.encode()))
-    bar.close()
-    np.save(work / "tokens.npy", np.fromfile(raw, dtype=np.int32))
-    raw.unlink()
-    offsets = doc_offsets(lengths)
-    np.save(work / "doc_offsets.npy", offsets)
-    DocumentTable.of(origins, first_tokens).write(work / "corpus_documents.json")
-    stats = CorpusStats(sources=[str(f) for f in files], documents=len(lengths), tokens=int(offsets[-1]), skipped_files=skipped)
-    write_json_atomic(stats_file, stats.model_dump(mode="json"))
-    return stats
-
-
-def encode_keys(work: Path, tokens: np.ndarray, plan, encoder: KeyEncoder, config: BuildConfig, progress: bool) -> float:
-    """Keys into an fp16 memmap, batch by batch; `encode.json` records the batches on disk."""
-    keys_file, progress_file = work / "keys.npy", work / "encode.json"
-    done = json.loads(progress_file.read_text())["batches_done"] if progress_file.exists() else 0
-    if keys_file.exists() and done:
-        keys = np.load(keys_file, mmap_mode="r+")
-    else:
-        keys = np.lib.format.open_memmap(keys_file, mode="w+", dtype=np.float16, shape=(plan.entries, encoder.dim))
-        done = 0
-
-    def durable(batch: int) -> None:
-        keys.flush()
-        write_json_atomic(progress_file, {"batches_done": batch + 1})
-
-    return encode_windows(encoder, tokens, plan, keys, config.batch_size, first_batch=done, after_batch=durable, progress=progress)
 
 
 def _publish(work: Path, output: Path, progress: bool) -> Manifest:
