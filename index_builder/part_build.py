@@ -12,7 +12,9 @@ the same command resumes.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from tqdm import tqdm
 from index_builder.parts import PARTS, Job, Part, PartKeys, encode_job, part_job, plan_parts, sample_entries, shard_bounds, windows_per_part
 from index_builder.shards import add_shard, train_once
 from knnlm_core.config import BuildCluster, BuildConfig
+from knnlm_core.files import write_json_atomic
 from knnlm_core.manifest import ShardEntry
 from knnlm_core.windows import WindowPlan, window_values
 
@@ -51,7 +54,7 @@ class LocalEncoder:
         from knnlm_core.keys import KeyEncoder
 
         self.encoder = KeyEncoder(model_dir, config.key_type, config.dtype)
-        self.config, self.plan, self.tokens = config, plan, tokens
+        self.config, self.plan, self.tokens, self.workers = config, plan, tokens, 1
 
     def run(self, jobs: list[Job], bar: tqdm) -> None:
         from index_builder.parts import write_job
@@ -75,14 +78,20 @@ def index_in_parts(
 ) -> tuple[int, list[ShardEntry], float]:
     """Train and add the shards in `work`; the number of keys trained on, the shards and the
     encode's tokens/s."""
-    parts = plan_parts(plan, windows_per_part(cluster.part_entries, plan, config.batch_size))
+    if cluster.ray_address is not None:
+        from index_builder.cluster import RayEncoder, add_shards_on_ray
+
+        encoder = RayEncoder(work, model_dir, config, cluster, plan, tokens)
+    else:
+        encoder = LocalEncoder(model_dir, config, plan, tokens)
+    per = _windows_per_part(work, cluster, plan, config.batch_size, encoder.workers)
+    parts = plan_parts(plan, per)
     sample_windows, sample = sample_entries(plan.entry_offsets, config.train_sample, config.seed)
     bounds = shard_bounds(plan.entries, config.shards)
     names = [f"shard-{s:03d}" for s in range(config.shards)]
     trained = work / "trained.faiss"
     pieces = []
     if stream and not trained.exists():
-        per = windows_per_part(cluster.part_entries, plan, config.batch_size)
         pieces = [Job(work / SAMPLE / f"piece-{i // per:06d}.npy", sample_windows[i : i + per]) for i in range(0, len(sample_windows), per)]
     to_encode = [j for j in pieces if not j.file.exists()] + [
         part_job(work, p)
@@ -90,12 +99,6 @@ def index_in_parts(
         if not part_job(work, p).file.exists() and not all((work / names[s]).exists() for s in _shards_of(p, bounds))
     ]
     bar = tqdm(total=sum(j.fed_tokens(plan) for j in to_encode), unit="tok", unit_scale=True, desc="encode", disable=not progress)
-    if cluster.ray_address is not None:
-        from index_builder.cluster import RayEncoder, add_shards_on_ray
-
-        encoder = RayEncoder(work, model_dir, config, cluster, plan, tokens)
-    else:
-        encoder = LocalEncoder(model_dir, config, plan, tokens)
     encoding = _Timed(encoder, bar)
     keys = PartKeys(work, parts, dim)
     values = window_values(tokens, plan)
@@ -134,6 +137,19 @@ def index_in_parts(
     bar.close()
     shutil.rmtree(work / PARTS, ignore_errors=True)
     return train_size, shards, encoding.rate()
+
+
+def _windows_per_part(work: Path, cluster: BuildCluster, plan: WindowPlan, batch_size: int, workers: int) -> int:
+    """Windows per part: about `part_entries` entries, or fewer so that each worker gets four parts
+    at least; chosen once per build (recorded in the work directory), so a rerun with other
+    workers reads the parts it finds as what they are."""
+    record = work / "parts.json"
+    if record.exists():
+        return json.loads(record.read_text())["windows_per_part"]
+    entries = min(cluster.part_entries, max(1, math.ceil(plan.entries / (4 * workers))))
+    per = windows_per_part(entries, plan, batch_size)
+    write_json_atomic(record, {"windows_per_part": per})
+    return per
 
 
 def _shards_of(part: Part, bounds: np.ndarray) -> range:

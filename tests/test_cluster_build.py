@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from index_builder.build import build_datastore
+from index_builder.verify import verify_datastore
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import read_manifest
 
@@ -124,6 +125,8 @@ def test_a_build_on_a_two_node_cluster_equals_the_local_build_and_logs_each_node
     out, result = ray_build
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_datastore(out, local)
+    ours, theirs = verify_datastore(out, samples=500), verify_datastore(local, samples=500)
+    assert ours["recall_at_1"] == theirs["recall_at_1"] and not ours["problems"]
     rates = encoded_tokens(result.stderr)
     assert len(rates) == 2, f"both nodes encode: {rates}"  # one worker per node (each has one CPU)
     assert not out.with_name(".ds.partial").exists()
