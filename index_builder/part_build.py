@@ -4,8 +4,9 @@ streaming (`--stream`), or both.
 Without streaming every part is encoded first, then the quantizer is trained on the sample read
 from the parts and the shards are added (in parallel Ray tasks on a cluster). Streaming, no file
 of the whole corpus's keys ever exists: the sample's windows are encoded and trained on first
-(and deleted), then each shard's parts are encoded, the shard is added, and the parts no later
-shard needs are deleted, so the disk holds the index, the values and one shard's keys. Every step
+(and deleted), then the parts of as many shards as the disk budget holds (one, with --stream
+alone) are encoded, those shards are added, and the parts no later shard reads are deleted, so
+the disk holds the index, the values and that many shards' keys. Every step
 leaves its result in the work directory (parts, the trained index, finished shards), so a rerun of
 the same command resumes.
 """
@@ -34,17 +35,36 @@ logger = logging.getLogger("index_builder")
 SAMPLE = "sample"  # the work directory's folder of the training sample's keys, while streaming
 
 
+def key_budget(cluster: BuildCluster, work: Path) -> float:
+    """Bytes of keys the build may hold on disk: `disk_budget_gib`, else half the free space."""
+    return cluster.disk_budget_gib * 2**30 if cluster.disk_budget_gib else shutil.disk_usage(work).free / 2
+
+
 def streams(cluster: BuildCluster, entries: int, dim: int, work: Path) -> bool:
     """Whether this build streams: as asked, else when its fp16 keys would pass the disk budget."""
     if cluster.stream is not None:
         return cluster.stream
-    need = entries * dim * 2
-    budget = cluster.disk_budget_gib * 2**30 if cluster.disk_budget_gib else shutil.disk_usage(work).free / 2
+    need, budget = entries * dim * 2, key_budget(cluster, work)
     if need > budget:
         logger.info(
             "build: the keys would take %.1f GiB, more than the disk budget of %.1f GiB: streaming them", need / 2**30, budget / 2**30
         )
     return need > budget
+
+
+def shards_at_once(cluster: BuildCluster, shard_bytes: int, work: Path) -> int:
+    """How many shards' keys a streamed build encodes before it adds them: as many as the disk
+    budget holds (one, with --stream and no budget given), each encode one start of the workers."""
+    if cluster.stream and not cluster.disk_budget_gib:
+        return 1
+    budget = key_budget(cluster, work)
+    if shard_bytes > budget:
+        logger.warning(
+            "build: one shard's keys (%.1f GiB) pass the disk budget (%.1f GiB): give --shards more shards",
+            shard_bytes / 2**30,
+            budget / 2**30,
+        )
+    return max(1, int(budget // max(shard_bytes, 1)))
 
 
 class LocalEncoder:
@@ -93,10 +113,12 @@ def index_in_parts(
     pieces = []
     if stream and not trained.exists():
         pieces = [Job(work / SAMPLE / f"piece-{i // per:06d}.npy", sample_windows[i : i + per]) for i in range(0, len(sample_windows), per)]
+
+    def _done(part: Part) -> bool:  # every shard that reads it is added
+        return all((work / names[s]).exists() for s in _shards_of(part, bounds))
+
     to_encode = [j for j in pieces if not j.file.exists()] + [
-        part_job(work, p)
-        for p in parts
-        if not part_job(work, p).file.exists() and not all((work / names[s]).exists() for s in _shards_of(p, bounds))
+        part_job(work, p) for p in parts if not part_job(work, p).file.exists() and not _done(p)
     ]
     bar = tqdm(total=sum(j.fed_tokens(plan) for j in to_encode), unit="tok", unit_scale=True, desc="encode", disable=not progress)
     encoding = _Timed(encoder, bar)
@@ -125,14 +147,15 @@ def index_in_parts(
     train_size = train_once(work, factory, dim, lambda: _sample_keys(pieces, plan, sample_windows, sample), config.seed)
     shutil.rmtree(work / SAMPLE, ignore_errors=True)
     shards = []
+    group = shards_at_once(cluster, int(max(np.diff(bounds))) * dim * 2, work)
     with tqdm(total=plan.entries, unit="key", unit_scale=True, desc="add", disable=not progress, position=1) as added:
-        for s in range(config.shards):
-            needed = [p for p in parts if s in _shards_of(p, bounds)]
-            if not (work / names[s]).exists():
-                encoding.run([part_job(work, p) for p in needed if not part_job(work, p).file.exists()])
-            shards += add(s, s + 1, added)
+        for first in range(0, config.shards, group):
+            last = min(first + group, config.shards)
+            needed = [p for p in parts if set(_shards_of(p, bounds)) & set(range(first, last))]
+            encoding.run([part_job(work, p) for p in needed if not part_job(work, p).file.exists() and not _done(p)])
+            shards += add(first, last, added)
             for p in needed:
-                if p.last_entry <= bounds[s + 1]:  # no later shard reads it
+                if p.last_entry <= bounds[last]:  # no later shard reads it
                     part_job(work, p).file.unlink(missing_ok=True)
     bar.close()
     shutil.rmtree(work / PARTS, ignore_errors=True)
