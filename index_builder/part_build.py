@@ -121,7 +121,7 @@ def index_in_parts(
         part_job(work, p) for p in parts if not part_job(work, p).file.exists() and not _done(p)
     ]
     bar = tqdm(total=sum(j.fed_tokens(plan) for j in to_encode), unit="tok", unit_scale=True, desc="encode", disable=not progress)
-    encoding = _Timed(encoder, bar)
+    encoding = _Timed(encoder, bar, plan)
     keys = PartKeys(work, parts, dim)
     values = window_values(tokens, plan)
 
@@ -192,14 +192,14 @@ def _sample_keys(pieces: list[Job], plan: WindowPlan, windows: np.ndarray, sampl
 class _Timed:
     """An encoder's runs, with the tokens and seconds they took."""
 
-    def __init__(self, encoder, bar: tqdm):
-        self.encoder, self.bar, self.seconds, self.tokens = encoder, bar, 0.0, 0
+    def __init__(self, encoder, bar: tqdm, plan: WindowPlan):
+        self.encoder, self.bar, self.plan, self.seconds, self.tokens = encoder, bar, plan, 0.0, 0
 
     def run(self, jobs: list[Job]) -> None:
-        began, before = time.monotonic(), self.bar.n
+        began = time.monotonic()
         self.encoder.run(jobs, self.bar)
         self.seconds += time.monotonic() - began
-        self.tokens += self.bar.n - before
+        self.tokens += sum(j.fed_tokens(self.plan) for j in jobs)
 
     def rate(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
