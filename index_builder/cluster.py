@@ -31,7 +31,7 @@ from knnlm_core.config import BuildCluster, BuildConfig
 from knnlm_core.errors import ConfigError, KnnlmError
 from knnlm_core.files import write_json_atomic
 from knnlm_core.manifest import ShardEntry
-from knnlm_core.windows import WindowPlan
+from knnlm_core.windows import WindowPlan, plan_of
 
 logger = logging.getLogger("index_builder")
 
@@ -115,8 +115,7 @@ class PartEncoder:
             torch.set_num_threads(threads)
         self.encoder = KeyEncoder(Path(model_dir), key_type, dtype)
         self.tokens = np.load(self.work / INDEX_TOKENS, mmap_mode="r")
-        windows = np.load(self.work / WINDOWS)
-        self.plan = WindowPlan(windows, np.concatenate([[0], np.cumsum(windows[:, 2] - windows[:, 1])]))
+        self.plan = plan_of(np.load(self.work / WINDOWS))
         self.batch_size = batch_size
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:

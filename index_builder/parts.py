@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_core.windows import WindowPlan
+from knnlm_core.windows import WindowPlan, plan_of
 
 PARTS = "parts"  # the work directory's folder of part files
 
@@ -105,8 +105,7 @@ def encode_job(encoder, tokens: np.ndarray, plan: WindowPlan, job: Job, batch_si
     batches of `batch_size` windows from the job's first."""
     from knnlm_core.keys import encode_windows
 
-    windows = plan.windows[job.windows]
-    sub = WindowPlan(windows, np.concatenate([[0], np.cumsum(windows[:, 2] - windows[:, 1])]).astype(np.int64))
+    sub = plan_of(plan.windows[job.windows])
     out = np.empty((sub.entries, encoder.dim), dtype=np.float16)
     encode_windows(encoder, tokens, sub, out, batch_size, progress=False)
     return out

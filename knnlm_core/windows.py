@@ -34,7 +34,11 @@ def plan_windows(doc_offsets: np.ndarray, context_length: int, stride: int) -> W
         for key_start in range(doc_start, doc_end - 1, stride):
             key_end = min(key_start + stride, doc_end - 1)
             rows.append((max(doc_start, key_end - context_length), key_start, key_end))
-    windows = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return plan_of(np.array(rows, dtype=np.int64).reshape(-1, 3))
+
+
+def plan_of(windows: np.ndarray) -> WindowPlan:
+    """The plan of these windows [W, 3], their entries one after the other in this order."""
     offsets = np.zeros(len(windows) + 1, dtype=np.int64)
     np.cumsum(windows[:, 2] - windows[:, 1], out=offsets[1:])
     return WindowPlan(windows, offsets)

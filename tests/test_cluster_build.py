@@ -78,14 +78,16 @@ def ray_build(cluster, corpus, tiny_model_dir, tmp_path_factory) -> tuple[Path, 
     return out, knnlm_index_build(corpus, out, tiny_model_dir, "--ray", cluster.address)
 
 
+def build_command(corpus: Path, out: Path, model: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "index_builder.cli", "build", str(corpus), "-o", str(out), "--model", str(model), *FLAGS, *flags]
+
+
 def knnlm_index_build(corpus: Path, out: Path, model: Path, *flags: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "index_builder.cli", "build", str(corpus), "-o", str(out), "--model", str(model), *FLAGS, *flags]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(build_command(corpus, out, model, *flags), capture_output=True, text=True, timeout=timeout)
 
 
 def start_build(corpus: Path, out: Path, model: Path, *flags: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "index_builder.cli", "build", str(corpus), "-o", str(out), "--model", str(model), *FLAGS, *flags]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(build_command(corpus, out, model, *flags), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def parts_of(out: Path) -> list[Path]:
