@@ -23,7 +23,19 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from index_builder.parts import PARTS, Job, Part, PartKeys, encode_job, part_job, plan_parts, sample_entries, shard_bounds, windows_per_part
+from index_builder.parts import (
+    PARTS,
+    Job,
+    Part,
+    PartKeys,
+    encode_job,
+    part_job,
+    plan_parts,
+    sample_entries,
+    shard_bounds,
+    windows_per_part,
+    write_job,
+)
 from index_builder.shards import add_shard, train_once
 from knnlm_core.config import BuildCluster, BuildConfig
 from knnlm_core.files import write_json_atomic
@@ -77,8 +89,6 @@ class LocalEncoder:
         self.config, self.plan, self.tokens, self.workers = config, plan, tokens, 1
 
     def run(self, jobs: list[Job], bar: tqdm) -> None:
-        from index_builder.parts import write_job
-
         for job in jobs:
             write_job(job, encode_job(self.encoder, self.tokens, self.plan, job, self.config.batch_size))
             bar.update(job.fed_tokens(self.plan))
@@ -114,11 +124,11 @@ def index_in_parts(
     if stream and not trained.exists():
         pieces = [Job(work / SAMPLE / f"piece-{i // per:06d}.npy", sample_windows[i : i + per]) for i in range(0, len(sample_windows), per)]
 
-    def _done(part: Part) -> bool:  # every shard that reads it is added
+    def added_already(part: Part) -> bool:  # every shard that reads it is added
         return all((work / names[s]).exists() for s in _shards_of(part, bounds))
 
     to_encode = [j for j in pieces if not j.file.exists()] + [
-        part_job(work, p) for p in parts if not part_job(work, p).file.exists() and not _done(p)
+        part_job(work, p) for p in parts if not part_job(work, p).file.exists() and not added_already(p)
     ]
     bar = tqdm(total=sum(j.fed_tokens(plan) for j in to_encode), unit="tok", unit_scale=True, desc="encode", disable=not progress)
     encoding = _Timed(encoder, bar, plan)
@@ -152,7 +162,7 @@ def index_in_parts(
         for first in range(0, config.shards, group):
             last = min(first + group, config.shards)
             needed = [p for p in parts if set(_shards_of(p, bounds)) & set(range(first, last))]
-            encoding.run([part_job(work, p) for p in needed if not part_job(work, p).file.exists() and not _done(p)])
+            encoding.run([part_job(work, p) for p in needed if not part_job(work, p).file.exists() and not added_already(p)])
             shards += add(first, last, added)
             for p in needed:
                 if p.last_entry <= bounds[last]:  # no later shard reads it
