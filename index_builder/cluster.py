@@ -63,7 +63,8 @@ def connect(address: str) -> dict[str, float]:
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ClusterError(
                 f"--ray {address}: no Ray cluster could be joined ({str(e).splitlines()[0]}); start one with `ray start --head` "
-                "on the first node and `ray start --address HEAD:6379` on the others, and pass the head's address"
+                "on the first node and `ray start --address HEAD:6379` on the others, and pass the head's address (a cluster "
+                "with token authentication also needs RAY_AUTH_MODE=token here)"
             ) from None
     return ray.cluster_resources()
 

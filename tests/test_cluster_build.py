@@ -82,8 +82,10 @@ def build_command(corpus: Path, out: Path, model: Path, *flags: str) -> list[str
     return [sys.executable, "-m", "index_builder.cli", "build", str(corpus), "-o", str(out), "--model", str(model), *FLAGS, *flags]
 
 
-def knnlm_index_build(corpus: Path, out: Path, model: Path, *flags: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(build_command(corpus, out, model, *flags), capture_output=True, text=True, timeout=timeout)
+def knnlm_index_build(
+    corpus: Path, out: Path, model: Path, *flags: str, timeout: float = 400, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(build_command(corpus, out, model, *flags), capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def start_build(corpus: Path, out: Path, model: Path, *flags: str) -> subprocess.Popen:
@@ -199,17 +201,34 @@ def test_an_unreachable_cluster_is_one_line_naming_it_and_writes_nothing(corpus,
     assert "give the cluster's address as HOST:PORT" in badly_written.stderr
 
 
+# The hand-started cluster's processes and its clients, all without Ray's token authentication:
+# whether `ray start` turns it on depends on a token file another Ray on this machine may have left.
+NO_TOKEN = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+
+
 def _ray_start(*args: str) -> subprocess.Popen:
     ray = Path(sys.executable).with_name("ray")
-    return subprocess.Popen(
-        [str(ray), "start", "--block", "--disable-usage-stats", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    command = [str(ray), "start", "--block", "--disable-usage-stats", *args]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=NO_TOKEN)
+
+
+def wait_for_cpus(address: str, cpus: int, timeout: float = 120) -> None:
+    """Until the cluster at `address` answers and has `cpus` CPUs (its worker node joined), asked
+    from another process."""
+    ask = (
+        "import ray, sys, time\n"
+        f"deadline = time.monotonic() + {timeout}\n"
+        "while True:\n"
+        "    try:\n"
+        f"        ray.init(address='{address}'); break\n"
+        "    except Exception:\n"
+        "        if time.monotonic() > deadline: raise\n"
+        "        time.sleep(1)\n"
+        f"while ray.cluster_resources().get('CPU', 0) < {cpus}:\n"
+        "    if time.monotonic() > deadline: sys.exit('the worker node did not join')\n"
+        "    time.sleep(0.5)\n"
     )
-
-
-def wait_for_cpus(address: str, cpus: int) -> None:
-    """Until the cluster at `address` has `cpus` CPUs (its worker node joined), asked from another process."""
-    ask = f"import ray, time; ray.init(address='{address}')\nwhile ray.cluster_resources().get('CPU', 0) < {cpus}: time.sleep(0.5)"
-    subprocess.run([sys.executable, "-c", ask], check=True, timeout=120, capture_output=True)
+    subprocess.run([sys.executable, "-c", ask], check=True, timeout=timeout + 60, capture_output=True, env=NO_TOKEN)
 
 
 def _free_port() -> int:
@@ -245,10 +264,11 @@ def test_a_node_without_the_model_or_the_shared_directory_is_refused_naming_the_
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=NO_TOKEN,
     )
     try:
         wait_for_cpus(f"127.0.0.1:{port}", 1)
-        result = knnlm_index_build(corpus, tmp_path / "out" / "ds", tiny_model_dir, "--ray", f"127.0.0.1:{port}", timeout=300)
+        result = knnlm_index_build(corpus, tmp_path / "out" / "ds", tiny_model_dir, "--ray", f"127.0.0.1:{port}", timeout=300, env=NO_TOKEN)
         assert result.returncode != 0
         last = result.stderr.strip().splitlines()[-1]
         assert message in last and str(path) in last and "node " in last, last
