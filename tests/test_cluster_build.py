@@ -209,7 +209,18 @@ NO_TOKEN = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 def _ray_start(*args: str) -> subprocess.Popen:
     ray = Path(sys.executable).with_name("ray")
     command = [str(ray), "start", "--block", "--disable-usage-stats", *args]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=NO_TOKEN)
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=NO_TOKEN, start_new_session=True)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """A `ray start --block` and every process it started (its GCS, raylet, agents): its session."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+            process.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        time.sleep(1)  # the group's other processes end after its leader
 
 
 def wait_for_cpus(address: str, cpus: int, timeout: float = 120) -> None:
@@ -265,6 +276,7 @@ def test_a_node_without_the_model_or_the_shared_directory_is_refused_naming_the_
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=NO_TOKEN,
+        start_new_session=True,
     )
     try:
         wait_for_cpus(f"127.0.0.1:{port}", 1)
@@ -275,8 +287,7 @@ def test_a_node_without_the_model_or_the_shared_directory_is_refused_naming_the_
         assert not (tmp_path / "out" / "ds").exists()
     finally:
         for p in (node, head):
-            p.send_signal(signal.SIGTERM)
-            p.wait(timeout=60)
+            _stop(p)
 
 
 def test_a_build_whose_only_worker_node_dies_stops_with_an_error_and_resumes(corpus, local, tiny_model_dir, tmp_path):

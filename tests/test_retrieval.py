@@ -27,7 +27,8 @@ NAMESPACE = f"knnlm-test-retrieval-{os.getpid()}"
 def ray_session():
     import ray
 
-    ray.init(include_dashboard=False, log_to_driver=False, namespace=NAMESPACE, object_store_memory=256 * 2**20)
+    # address "local": a Ray of its own, whatever cluster another test or program started on this machine
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, namespace=NAMESPACE, object_store_memory=256 * 2**20)
     yield ray
     ray.shutdown()
 
