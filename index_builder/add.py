@@ -22,10 +22,11 @@ import faiss
 import numpy as np
 
 from index_builder.corpus_keys import document_starts, encode_keys, load_tokenizer, tokenize_corpus
+from index_builder.part_build import add_on_ray
 from index_builder.passages import grown_passages, passage_rows
 from index_builder.shards import add_shards
 from index_builder.versions import link_version, one_writer, prepare_workdir, publish, read_with_documents, replace_array, workdir
-from knnlm_core.config import BuildConfig
+from knnlm_core.config import BuildCluster, BuildConfig
 from knnlm_core.corpus import find_files, no_text_error
 from knnlm_core.datastore import check_compatible, file_entry, load_document_starts, write_manifest
 from knnlm_core.errors import CorpusError
@@ -50,9 +51,11 @@ def add_documents(
     text_field: str = "text",
     batch_size: int | None = None,
     recalibrate: bool = False,
+    cluster: BuildCluster = BuildCluster(),
     progress: bool = True,
 ) -> tuple[Manifest, AddRecord]:
-    """Publish the datastore at `path` with the documents of `inputs` added; the new manifest and its record."""
+    """Publish the datastore at `path` with the documents of `inputs` added (encoded here, or on
+    the Ray cluster `cluster` names); the new manifest and its record."""
     started = time.monotonic()
     root, manifest = read_with_documents(path, "take new documents")
     check_compatible(manifest, fingerprint=model_fingerprint(model_dir), where=f"datastore {root.name}")
@@ -81,23 +84,21 @@ def add_documents(
         refuse_duplicates(
             DocumentTable.read(root / manifest.provenance.path), manifest, DocumentTable.read(scratch / "corpus_documents.json")
         )
-        encode_started = time.monotonic()
-        encode_keys(scratch, tokens, plan, KeyEncoder(model_dir, config.key_type, config.dtype), config, progress)
-        encode_seconds = _recorded_seconds(scratch / "encode_seconds.json", time.monotonic() - encode_started)
         link_version(root, work, manifest)
         quantizer = quantizer_of(root, work, manifest)
-        biggest = max(s.entries for s in manifest.shards)
-        numbers = [int(s.name.rsplit("-", 1)[1]) for s in manifest.shards]
-        new_shards = add_shards(
-            work,
-            np.load(scratch / "keys.npy", mmap_mode="r"),
-            window_values(tokens, plan),
-            work / QUANTIZER,
-            math.ceil(plan.entries / biggest),
-            keep_keys,
-            progress,
-            first_number=max(numbers) + 1,
-        )
+        count = math.ceil(plan.entries / max(s.entries for s in manifest.shards))
+        first_number = max(int(s.name.rsplit("-", 1)[1]) for s in manifest.shards) + 1
+        encode_started = time.monotonic()
+        if cluster.ray_address is not None:
+            new_shards = add_on_ray(scratch, work, tokens, plan, model_dir, config, cluster, manifest.dim, count, first_number, progress)
+            encode_seconds = _recorded_seconds(scratch / "encode_seconds.json", time.monotonic() - encode_started)
+        else:
+            encode_keys(scratch, tokens, plan, KeyEncoder(model_dir, config.key_type, config.dtype), config, progress)
+            encode_seconds = _recorded_seconds(scratch / "encode_seconds.json", time.monotonic() - encode_started)
+            keys = np.load(scratch / "keys.npy", mmap_mode="r")
+            new_shards = add_shards(
+                work, keys, window_values(tokens, plan), work / QUANTIZER, count, keep_keys, progress, first_number=first_number
+            )
         starts = load_document_starts(root, manifest)
         replace_array(work / "documents.npy", np.concatenate([starts, document_starts(offsets, manifest.entries)[1:]]))
         table = DocumentTable.read(root / manifest.provenance.path).extended(DocumentTable.read(scratch / "corpus_documents.json"))

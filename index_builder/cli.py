@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     add.add_argument("--text-field", default=BuildConfig().text_field, help="field holding the text in .jsonl inputs")
     add.add_argument("--batch-size", type=positive_int, help=f"windows per forward pass (default: {BuildConfig().batch_size})")
     add.add_argument("--recalibrate", action="store_true", help="fit the calibration again on the build's held-out slice")
+    add.add_argument(
+        "--ray", dest="ray_address", nargs="?", const="auto", metavar="ADDRESS", help="encode and add on a running Ray cluster"
+    )
     add.add_argument("--quiet", action="store_true", help="no progress bars")
 
     forget = commands.add_parser(
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     compact.add_argument("datastore")
     compact.add_argument("--shards", type=positive_int, help="default: as many as the build's shard size needs")
+    compact.add_argument("--ray", dest="ray_address", nargs="?", const="auto", metavar="ADDRESS", help="add the shards on a running Ray cluster")
     compact.add_argument("--quiet", action="store_true", help="no progress bars")
 
     inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
@@ -178,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
                 text_field=args.text_field,
                 batch_size=args.batch_size,
                 recalibrate=args.recalibrate,
+                cluster=BuildCluster(ray_address=args.ray_address),
                 progress=not args.quiet,
             )
             print(json.dumps(record.model_dump(mode="json"), indent=2))
@@ -189,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "compact":
             from index_builder.compact import compact_datastore
 
-            manifest = compact_datastore(args.datastore, shards=args.shards, progress=not args.quiet)
+            manifest = compact_datastore(args.datastore, shards=args.shards, progress=not args.quiet, ray_address=args.ray_address)
             print(json.dumps(manifest.compactions[-1].model_dump(mode="json", exclude={"forgotten"}), indent=2))
         elif args.command == "inspect":
             from index_builder.verify import inspect_datastore, provenance_summary

@@ -50,7 +50,7 @@ def check_compactable(manifest: Manifest, name: str, shards: int | None) -> None
 
 
 @one_writer("path")
-def compact_datastore(path: str | Path, shards: int | None = None, progress: bool = True) -> Manifest:
+def compact_datastore(path: str | Path, shards: int | None = None, progress: bool = True, ray_address: str | None = None) -> Manifest:
     """Publish the datastore at `path` without tombstones, in `shards` shards (default: as many as
     its largest build shard's size needs); the new manifest."""
     started = time.monotonic()
@@ -66,7 +66,16 @@ def compact_datastore(path: str | Path, shards: int | None = None, progress: boo
         quantizer = quantizer_of(root, work, manifest)
         built = [s for s in manifest.shards if s.name not in {n for a in manifest.additions for n in a.shards}]
         count = shards or max(1, math.ceil(len(values) / max(s.entries for s in built)))
-        new_shards = add_shards(work, keys, values, work / QUANTIZER, count, manifest.shards[0].keys is not None, progress)
+        keep_keys = manifest.shards[0].keys is not None
+        if ray_address is not None:  # each shard added in a Ray task (its keys sent through Ray's object store)
+            from index_builder.cluster import add_shards_on_ray, connect
+            from index_builder.parts import shard_bounds
+
+            connect(ray_address)
+            with tqdm(total=len(values), unit="key", unit_scale=True, desc="add", disable=not progress) as bar:
+                new_shards = add_shards_on_ray(work, keys, values, shard_bounds(len(values), count), work / QUANTIZER, keep_keys, bar)
+        else:
+            new_shards = add_shards(work, keys, values, work / QUANTIZER, count, keep_keys, progress)
         update = {"entries": len(values), "shards": new_shards, "quantizer": quantizer, "additions": [], "forgotten": []}
         if manifest.documents is not None and manifest.provenance is not None:
             starts = load_document_starts(root, manifest)

@@ -39,7 +39,7 @@ from index_builder.parts import (
 from index_builder.shards import add_shard, train_once
 from knnlm_core.config import BuildCluster, BuildConfig
 from knnlm_core.files import write_json_atomic
-from knnlm_core.manifest import ShardEntry
+from knnlm_core.manifest import QUANTIZER, ShardEntry
 from knnlm_core.windows import WindowPlan, window_values
 
 logger = logging.getLogger("index_builder")
@@ -170,6 +170,34 @@ def index_in_parts(
     bar.close()
     shutil.rmtree(work / PARTS, ignore_errors=True)
     return train_size, shards, encoding.rate()
+
+
+def add_on_ray(
+    scratch: Path,
+    work: Path,
+    tokens: np.ndarray,
+    plan: WindowPlan,
+    model_dir: Path,
+    config: BuildConfig,
+    cluster: BuildCluster,
+    dim: int,
+    count: int,
+    first_number: int,
+    progress: bool,
+) -> list[ShardEntry]:
+    """`knnlm-index add --ray`: the new documents' parts encoded on the cluster (in `scratch`),
+    then `count` new shards, numbered from `first_number`, added in Ray tasks to copies of the
+    datastore's quantizer in `work`."""
+    from index_builder.cluster import RayEncoder, add_shards_on_ray
+
+    encoder = RayEncoder(scratch, model_dir, config, cluster, plan, tokens)
+    parts = plan_parts(plan, _windows_per_part(scratch, cluster, plan, config.batch_size, encoder.workers))
+    jobs = [part_job(scratch, p) for p in parts if not part_job(scratch, p).file.exists()]
+    with tqdm(total=sum(j.fed_tokens(plan) for j in jobs), unit="tok", unit_scale=True, desc="encode", disable=not progress) as bar:
+        encoder.run(jobs, bar)
+    with tqdm(total=plan.entries, unit="key", unit_scale=True, desc="add", disable=not progress) as bar:
+        keys, bounds = PartKeys(scratch, parts, dim), shard_bounds(plan.entries, count)
+        return add_shards_on_ray(work, keys, window_values(tokens, plan), bounds, work / QUANTIZER, config.keep_keys, bar, first_number)
 
 
 def _windows_per_part(work: Path, cluster: BuildCluster, plan: WindowPlan, batch_size: int, workers: int) -> int:

@@ -312,3 +312,26 @@ def test_a_build_whose_only_worker_node_dies_stops_with_an_error_and_resumes(cor
         assert_same_datastore(out, local)
     finally:
         cluster.shutdown()
+
+
+def test_an_add_and_a_compact_on_the_cluster_equal_the_same_in_one_process(cluster, local, tiny_model_dir, tmp_path):
+    new = tmp_path / "new"
+    new.mkdir()
+    for name in ("difflib", "shlex"):
+        (new / f"{name}.txt").write_text(importlib.import_module(name).__doc__)
+    here, there = tmp_path / "here", tmp_path / "there"
+    shutil.copytree(local, here)
+    shutil.copytree(local, there)
+    index = [sys.executable, "-m", "index_builder.cli", "add"]
+    for datastore, flags in ((here, []), (there, ["--ray", cluster.address])):
+        added = subprocess.run([*index, str(datastore), str(new), "--model", str(tiny_model_dir), *flags], capture_output=True, text=True)
+        assert added.returncode == 0, added.stderr[-3000:]
+    a, b = read_manifest(there), read_manifest(here)
+    assert a.entries == b.entries > read_manifest(local).entries
+    assert [(s.name, s.entries, s.values, s.index) for s in a.shards] == [(s.name, s.entries, s.values, s.index) for s in b.shards]
+    assert a.documents == b.documents and a.provenance == b.provenance
+    for datastore, flags in ((here, []), (there, ["--ray", cluster.address])):
+        compacted = subprocess.run([*index[:-1], "compact", str(datastore), *flags], capture_output=True, text=True)
+        assert compacted.returncode == 0, compacted.stderr[-3000:]
+    a, b = read_manifest(there), read_manifest(here)
+    assert not a.additions and [(s.name, s.values, s.index) for s in a.shards] == [(s.name, s.values, s.index) for s in b.shards]
