@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     compact.add_argument("datastore")
     compact.add_argument("--shards", type=positive_int, help="default: as many as the build's shard size needs")
-    compact.add_argument("--ray", dest="ray_address", nargs="?", const="auto", metavar="ADDRESS", help="add the shards on a running Ray cluster")
+    compact.add_argument(
+        "--ray", dest="ray_address", nargs="?", const="auto", metavar="ADDRESS", help="add the shards on a running Ray cluster"
+    )
     compact.add_argument("--quiet", action="store_true", help="no progress bars")
 
     inspect = commands.add_parser("inspect", help="print the manifest and verify checksums")
