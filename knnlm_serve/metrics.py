@@ -7,6 +7,8 @@ server (admission, admin) are merged at scrape time.
 
 from __future__ import annotations
 
+from functools import cache
+
 from prometheus_client import Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
@@ -30,6 +32,13 @@ STEP_SECONDS = Histogram(
     "one logits computation's whole kNN work on the step's path, over every datastore it served: planning, "
     "log-softmax and skip rule, keys, pointer candidates, sending and waiting for searches, mix (with knn.overlap, "
     "also what ran mid-forward); its sum over a run's wall time is the share of the engine's time kNN took",
+    buckets=_LATENCY_BUCKETS,
+)
+STEP_PART_SECONDS = Histogram(
+    "knnlm_step_part_seconds",
+    "knnlm_step_seconds split by part (engine/step_clock.py): plan, keys, send, confidence (the LM's log-softmax), "
+    "wait (for the shards' answers and their merge), neighbours, mix, record (neighbours kept, explanations, metrics)",
+    ["part"],
     buckets=_LATENCY_BUCKETS,
 )
 INTERPOLATION_SECONDS = Histogram(
@@ -137,6 +146,12 @@ DOCUMENTS = Gauge(
     ["datastore"],
     multiprocess_mode="mostrecent",
 )
+
+
+@cache
+def step_part(part: str):
+    """STEP_PART_SECONDS's child for `part`, looked up once: it is observed every step."""
+    return STEP_PART_SECONDS.labels(part)
 
 
 def datastore_info_labels(info) -> tuple[str, ...]:

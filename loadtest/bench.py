@@ -9,6 +9,7 @@ from pathlib import Path
 from knnlm_serve.server.process import metric_total, scrape_metrics
 
 PERCENTILES = "50,90,99"
+STEP_PARTS = ("plan", "keys", "send", "confidence", "wait", "neighbours", "mix", "record")
 
 
 def run_benchmark(
@@ -107,6 +108,10 @@ def run_benchmark(
         "all": 1e3 * server["knn_step_seconds"] / steps,
         "waited": 1e3 * server["knn_wait_seconds"] / steps,
         "mix": 1e3 * server["knn_interpolation_seconds"] / steps,
+    }
+    # The same, part by part (engine/step_clock.py): they add up to "all".
+    server["ms_per_step_part"] = {
+        part: 1e3 * delta(rf'knnlm_step_part_seconds_sum\{{part="{part}"\}}') / steps for part in STEP_PARTS
     }
     # Per search, its span from sending to collecting: the slowest shard's FAISS time (the fan-out
     # waits for it) and the rest (Ray transport, merge; with knn.overlap also the end of the

@@ -61,6 +61,18 @@ def markdown(report: dict) -> str:
             + (" / ".join(f"{v:.0f}" for v in s["rows"].values()) if r["knn"] else "-")
             + f" | {'yes' if s['requests_match_1pct'] and s['tokens_match_1pct'] else 'NO'} |"
         )
+    parted = [r for r in report["runs"] if r["knn"] and r["server"]["knn_steps"] and r["server"].get("ms_per_step_part")]
+    if parted:
+        parts = list(parted[0]["server"]["ms_per_step_part"])
+        lines += [
+            "",
+            "kNN's ms per step, part by part (`knnlm_step_part_seconds`; they add up to the runs' *all*):",
+            "",
+            "| run | " + " | ".join(parts) + " |",
+            "|---|" + "---:|" * len(parts),
+        ]
+        for r in parted:
+            lines.append(f"| {r['label']} | " + " | ".join(f"{v:.2f}" for v in r["server"]["ms_per_step_part"].values()) + " |")
     lines += [
         "",
         "Median over the interleaved pairs (min–max), after a warm-up pair:",

@@ -25,7 +25,6 @@ answers. vLLM computes sample and prompt logprobs from what this returns, so cli
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,6 +40,7 @@ from knnlm_serve.engine.knn_mixer import KnnMixer, Neighbours, PendingRows
 from knnlm_serve.engine.request_params import KnnParams
 from knnlm_serve.engine.rows import LogitsRows
 from knnlm_serve.engine.search_rounds import row_links, search_calls, search_rounds
+from knnlm_serve.engine.step_clock import Part, StepClock
 from knnlm_serve.engine.tensor_parallel import FirstRank
 from knnlm_serve.retrieval import make_retriever
 from knnlm_serve.runtime import DatastoreInfo, Runtime
@@ -60,8 +60,8 @@ class StepPlan:
     fed: list[int | None]  # each sampling row's newest context token, which `last` may have predicted
     groups: dict[tuple[str, int], list[int]]
     versions: dict[tuple[str, int], DatastoreInfo]
+    clock: StepClock  # the kNN work on the step's path, from mid-forward (key_ready) on
     started: dict[tuple[str, int], PendingRows | None] = field(default_factory=dict)  # searches begun mid-forward
-    seconds: float = 0.0  # kNN work on the step's path before `__call__` (mid-forward, key_ready)
 
 
 class KnnLogits:
@@ -100,11 +100,12 @@ class KnnLogits:
             self.faults.failed("key_ready", e, rows=0)
 
     def _begin(self, ffn_input: torch.Tensor) -> None:
-        began = time.perf_counter()
+        clock = StepClock()
         rows = self.step.sampling_rows()
         if rows is None:
             return
-        plan = self._plan(rows)
+        plan = self._plan(rows, clock)
+        clock.lap(Part.PLAN)
         for key, group in plan.groups.items():
             info = plan.versions[key]
             if info.key_type != "ffn_input" or key in self.faults.unhealthy:  # a `final` key does not exist yet
@@ -116,23 +117,24 @@ class KnnLogits:
             except Exception as e:  # noqa: BLE001 - fail open: these rows are served LM-only
                 self.faults.failed("key_ready", e, len(group), key)
                 plan.started[key] = e
-        plan.seconds = time.perf_counter() - began
         self._begun = plan
 
     def __call__(self, logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """The step's logits with p_kNN mixed into the rows of active requests. A failure serves
         the rows it concerned as the LM's (engine/faults.py)."""
-        called = time.perf_counter()
         begun, self._begun = self._begun, None
+        if begun is not None:
+            begun.clock.resume()
+        clock = begun.clock if begun is not None else StepClock()
         try:
-            return self._mixed(logits, hidden_states, begun, called)
+            return self._mixed(logits, hidden_states, begun, clock)
         except Exception as e:  # noqa: BLE001 - fail open: the step's logits as the LM made them
             if begun is not None:
                 self._drain(begun)
             self.faults.failed("compute_logits", e, len(logits))
             return logits
 
-    def _mixed(self, logits: torch.Tensor, hidden_states: torch.Tensor, begun: StepPlan | None, called: float) -> torch.Tensor:
+    def _mixed(self, logits: torch.Tensor, hidden_states: torch.Tensor, begun: StepPlan | None, clock: StepClock) -> torch.Tensor:
         rows = self.step.rows_of(hidden_states, self.capture.hidden)
         if rows is None:  # vLLM's warm-up and profiling calls
             return logits
@@ -140,12 +142,13 @@ class KnnLogits:
             self._drain(begun)  # not this call's rows (cannot happen with vLLM 0.32's runner): plan anew
             logger.warning("knnlm: searches begun mid-forward were not for this step's sampling rows; searched again")
             begun = None
-        plan = begun if rows.sampling and begun is not None else self._plan(rows)
+        plan = begun if rows.sampling and begun is not None else self._plan(rows, clock)
         if not plan.groups:
             return logits
         logits = logits.float()
         explained = [r for members in plan.groups.values() for r in members if plan.params[r].explain_id is not None]
         evidence = Evidence(self.step.positions(rows), rows.sampling, logits, explained) if explained else None
+        clock.lap(Part.PLAN)
         for key, group in plan.groups.items():
             info = plan.versions[key]
             failed = isinstance(plan.started.get(key), Exception)  # begun mid-forward, failed there (and counted)
@@ -164,7 +167,8 @@ class KnnLogits:
                 evidence.found(group, info, None)
         if evidence:
             evidence.record(self.explanations, plan.requests)
-        metrics.STEP_SECONDS.observe(plan.seconds + time.perf_counter() - called)
+        clock.lap(Part.RECORD)
+        clock.observe()
         return logits
 
     def _serve(self, plan: StepPlan, key, group: list[int], logits: torch.Tensor, hidden_states: torch.Tensor, evidence) -> None:
@@ -175,13 +179,14 @@ class KnnLogits:
             evidence.skipped(group, info)
         log_z, top = self.mixer.lm_confidence(logits, group)
         kept = self.mixer.rows_to_search(top, [params[r] for r in group], info.name)
+        plan.clock.lap(Part.CONFIDENCE)
         at = {r: i for i, r in enumerate(group)}
         to_search = {group[i] for i in kept}
         calls = search_calls(search_rounds(rows.draft, params, group), key in plan.started, self.mixer.retriever.links_rows(info))
         for i, members in enumerate(calls):
             searched = [r for r in members if r in to_search]
             if i == 0 and key in plan.started:  # begun mid-forward: collected even if every row was skipped
-                found = self.first_rank.run(self.mixer.finish, plan.started.pop(key), [members.index(r) for r in searched])
+                found = self.first_rank.run(self.mixer.finish, plan.started.pop(key), [members.index(r) for r in searched], plan.clock)
             elif searched:
                 token_index = torch.as_tensor(rows.token_index[searched], device=hidden_states.device)
                 keys = self.capture.keys(info.key_type, token_index, hidden_states[searched])
@@ -193,8 +198,10 @@ class KnnLogits:
             if found is None:
                 continue
             self.mixer.mix(logits, searched, log_z[[at[r] for r in searched]], found, info.name)
+            plan.clock.lap(Part.MIX)
             if rows.sampling:
                 self._remember(plan, searched, found)
+            plan.clock.lap(Part.RECORD)
 
     def _remember(self, plan: StepPlan, searched: list[int], found: Neighbours) -> None:
         """Keep the sampling rows' neighbours: for the request's next step, and for its next row in this one."""
@@ -217,12 +224,12 @@ class KnnLogits:
                 except Exception:  # noqa: BLE001 - already failing: its error is the one reported
                     logger.debug("knnlm: dropping a search begun mid-forward failed", exc_info=True)
 
-    def _plan(self, rows: LogitsRows) -> StepPlan:
+    def _plan(self, rows: LogitsRows, clock: StepClock) -> StepPlan:
         """Resolve each row's request (pinning its version at its first step) and group the rows
         of active requests by version. A request's first sampling row takes over its last
         step's neighbours."""
         self.batch.forget_finished()
-        plan = StepPlan(rows, [], [], [], [], {}, {})
+        plan = StepPlan(rows, [], [], [], [], {}, {}, clock)
         for row, (slot, draft) in enumerate(zip(rows.slot.tolist(), rows.draft.tolist())):
             request = self.batch.resolve(self.step.request_id(slot), self.runtime, self.step.request)
             plan.params.append(request.params)
@@ -245,7 +252,7 @@ class KnnLogits:
         return plan
 
     def _search(self, plan: StepPlan, group: list[int], info: DatastoreInfo, keys: torch.Tensor) -> Neighbours | None:
-        return self.mixer.finish(self._start(plan, group, info, keys))
+        return self.mixer.finish(self._start(plan, group, info, keys), clock=plan.clock)
 
     def _start(self, plan: StepPlan, group: list[int], info: DatastoreInfo, keys: torch.Tensor) -> PendingRows:
         """Send the rows' queries (or their pointers' successors) to the version's shards; a row
@@ -253,7 +260,11 @@ class KnnLogits:
         candidates = [self._pointers(plan, r, info) if plan.rows.sampling else None for r in group]
         params = [plan.params[r] for r in group]
         links = row_links(plan.rows, plan.params, plan.fed, group)
-        return self.mixer.start(info, keys.float().cpu().numpy(), params, self.runtime, candidates, links)
+        queries = keys.float().cpu().numpy()
+        plan.clock.lap(Part.KEYS)
+        pending = self.mixer.start(info, queries, params, self.runtime, candidates, links)
+        plan.clock.lap(Part.SEND)
+        return pending
 
     def _pointers(self, plan: StepPlan, row: int, info: DatastoreInfo) -> np.ndarray | None:
         """Successors of the row's previous neighbours that predicted the token it was fed."""

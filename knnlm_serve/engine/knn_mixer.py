@@ -18,6 +18,7 @@ from knnlm_core.mixture import adaptive_lambda, interpolate
 from knnlm_core.pointers import RowLinks, linked_candidates, pointer_matrix
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KnnParams
+from knnlm_serve.engine.step_clock import Part, StepClock
 from knnlm_serve.retrieval import RetrievalError
 from knnlm_serve.runtime import DatastoreInfo, Runtime
 
@@ -115,9 +116,10 @@ class KnnMixer:
             pending = e
         return PendingRows(info, params, ks, follow, links, started, time.perf_counter() - started, pending)
 
-    def finish(self, rows: PendingRows, keep: list[int] | None = None) -> Neighbours | None:
+    def finish(self, rows: PendingRows, keep: list[int] | None = None, clock: StepClock | None = None) -> Neighbours | None:
         """The neighbours of a started search's rows (only the rows at positions `keep`, when
-        given), or None when no shard answered (the rows are then served LM-only)."""
+        given), or None when no shard answered (the rows are then served LM-only); `clock`: the
+        step's, charged the wait, the metrics and the rest."""
         info, params, ks = rows.info, rows.params, rows.ks
         served = len(params) if keep is None else len(keep)
         waiting = time.perf_counter()
@@ -127,6 +129,8 @@ class KnnMixer:
             result = self.retriever.result(rows.pending)
         except RetrievalError as e:
             result = e
+        if clock is not None:
+            clock.lap(Part.WAIT)
         metrics.RETRIEVAL_WAIT_SECONDS.labels(info.name).observe(rows.sending + time.perf_counter() - waiting)
         if isinstance(result, RetrievalError):
             metrics.FALLBACKS.labels(info.name, result.reason).inc(served)
@@ -151,6 +155,8 @@ class KnnMixer:
         metrics.QUERIES.labels(info.name).inc(int((~follow).sum()))  # with overlap, rows the skip rule then dropped too
         metrics.POINTER_ROWS.labels(info.name).inc(int(follow.sum()))
         metrics.NEIGHBOURS.labels(info.name).inc(int(ks.sum()))
+        if clock is not None:
+            clock.lap(Part.RECORD)
         distances, tokens, ids = result.distances, result.tokens, result.ids
         if keep is not None:
             params, ks, follow = [params[i] for i in keep], ks[keep], follow[keep]
@@ -159,7 +165,7 @@ class KnnMixer:
         beyond_k = np.arange(distances.shape[1])[None, :] >= ks[:, None]
         distances = np.where(beyond_k, np.float32(np.inf), distances)
         tokens, ids = np.where(beyond_k, -1, tokens), np.where(beyond_k, -1, ids)
-        return Neighbours(
+        found = Neighbours(
             distances,
             tokens,
             ids,
@@ -167,6 +173,9 @@ class KnnMixer:
             np.array([p.temperature for p in params], dtype=np.float32),
             follow,
         )
+        if clock is not None:
+            clock.lap(Part.NEIGHBOURS)
+        return found
 
     @staticmethod
     def _lambdas(params: list[KnnParams], nearest: np.ndarray) -> np.ndarray:
