@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +32,9 @@ from knnlm_serve.engine.knn_logits import KnnLogits
 from knnlm_serve.engine.rows import sampling_rows
 from knnlm_serve.engine.step_clock import Part
 from knnlm_serve.runtime import DatastoreInfo, Runtime
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_record import run_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 49152  # SmolLM2's
@@ -194,13 +196,7 @@ def main() -> None:
                 results.append(r)
                 parts = " ".join(f"{p} {v:.3f}" for p, v in r["ms_per_step"].items())
                 print(f"{path.name} {transport} rows {rows}: all {r['all_ms']:.3f} fixed {r['fixed_ms']:.3f} ms ({parts})")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    report = {
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": commit,
-        "machine": platform.processor() or platform.machine(),
-        "results": results,
-    }
+    report = {**run_record("step_cost"), "settings": {"steps": args.steps, "tail_ms": args.tail_ms}, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     plot(results, args.out.with_suffix(".png"))
