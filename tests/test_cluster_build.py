@@ -303,7 +303,8 @@ def test_a_build_whose_only_worker_node_dies_stops_with_an_error_and_resumes(cor
         cluster.remove_node(node)
         _, stderr = proc.communicate(timeout=300)
         assert proc.returncode != 0
-        assert "no node of the cluster could run an encode worker" in stderr.strip().splitlines()[-1]
+        # Ray Data's own threads may still print an error of theirs as the process exits after it
+        assert any("knnlm-index" in line and "no node of the cluster could run an encode worker" in line for line in stderr.splitlines())
         assert not out.exists() and parts_of(out), "the parts encoded so far are kept for a rerun"
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
