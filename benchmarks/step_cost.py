@@ -30,7 +30,7 @@ from knnlm_core.search import open_shards
 from knnlm_serve.engine.batch_requests import BatchRequest
 from knnlm_serve.engine.knn_logits import KnnLogits
 from knnlm_serve.engine.rows import sampling_rows
-from knnlm_serve.engine.step_clock import Part
+from knnlm_serve.engine.step_clock import PARTS
 from knnlm_serve.runtime import DatastoreInfo, Runtime
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -83,7 +83,7 @@ class Capture:
 
 
 def part_seconds() -> dict[str, float]:
-    return {p.name.lower(): REGISTRY.get_sample_value("knnlm_step_part_seconds_sum", {"part": p.name.lower()}) or 0.0 for p in Part}
+    return {part: REGISTRY.get_sample_value("knnlm_step_part_seconds_sum", {"part": part}) or 0.0 for part in PARTS}
 
 
 def run(path: Path, transport: str, rows: int, steps: int, tail_s: float) -> dict:

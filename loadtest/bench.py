@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from knnlm_serve.engine.step_clock import PARTS
 from knnlm_serve.server.process import metric_total, scrape_metrics
 
 PERCENTILES = "50,90,99"
-STEP_PARTS = ("plan", "keys", "send", "confidence", "wait", "neighbours", "mix", "record")
 
 
 def run_benchmark(
@@ -110,7 +110,7 @@ def run_benchmark(
         "mix": 1e3 * server["knn_interpolation_seconds"] / steps,
     }
     # The same, part by part (engine/step_clock.py): they add up to "all".
-    server["ms_per_step_part"] = {part: 1e3 * delta(rf'knnlm_step_part_seconds_sum\{{part="{part}"\}}') / steps for part in STEP_PARTS}
+    server["ms_per_step_part"] = {part: 1e3 * delta(rf'knnlm_step_part_seconds_sum\{{part="{part}"\}}') / steps for part in PARTS}
     # Per search, its span from sending to collecting: the slowest shard's FAISS time (the fan-out
     # waits for it) and the rest (Ray transport, merge; with knn.overlap also the end of the
     # forward pass that ran meanwhile, so this span is not all on the step's path).

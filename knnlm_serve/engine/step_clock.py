@@ -25,6 +25,9 @@ class Part(IntEnum):
     RECORD = 7  # neighbours kept for the next step, explanations, metrics
 
 
+PARTS = tuple(part.name.lower() for part in Part)  # the metric's `part` labels, in order
+
+
 class StepClock:
     __slots__ = ("seconds", "_last")
 
@@ -47,5 +50,5 @@ class StepClock:
 
     def observe(self) -> None:
         metrics.STEP_SECONDS.observe(self.total())
-        for part, seconds in zip(Part, self.seconds):
-            metrics.step_part(part.name.lower()).observe(seconds)
+        for part, seconds in zip(PARTS, self.seconds):
+            metrics.step_part(part).observe(seconds)
