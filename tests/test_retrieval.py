@@ -273,7 +273,7 @@ def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, grap
     info, _ = stores["two"]
     replicated = DatastoreInfo.of(f"replicated-{graphs}", info.path, read_manifest(info.path))
     actors = start_shard_actors(replicated, knn(replicas=2))
-    timeout = 4.0  # each of the two replicas gets up to half: room for a loaded machine
+    timeout = 8.0  # each of the two replicas gets up to half: room for a loaded machine
     retriever = RayRetriever(knn(replicas=2, compiled_graphs=graphs, shard_timeout_s=timeout), None)
     expected = LocalRetriever(knn()).search(replicated, queries(), K, None)
     if graphs:
@@ -289,9 +289,10 @@ def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, grap
             took.append(time.monotonic() - start)
             assert result.failed_shards == {}, f"step {step} fell back"
             assert_same(result, expected)
-        # The first step that asks the stopped replica waits its half of the deadline, once (1 s of
-        # slack: 2.56 s was seen once on this loaded 2-core machine; the whole deadline would be 4).
-        assert max(took) < timeout / 2 + 1.0 and sorted(took)[-2] < 1.0, took
+        # The first step that asks the stopped replica waits its half of the deadline, once; the
+        # other replica then answers within the rest (slack for a loaded 2-core CI machine, where
+        # half + 1.04 s was seen), short of the whole deadline.
+        assert max(took) < timeout / 2 + 2.0 and sorted(took)[-2] < 1.0, took
         ray_session.kill(actors[1][1], no_restart=False)
         for _ in range(4):
             assert_same(result := retriever.search(replicated, queries(), K, None), expected)
