@@ -247,20 +247,20 @@ def check_mixture() -> dict:
     compared as the log-probabilities vLLM takes from the mixed logits."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(32, 49_152, generator=g) * 3
-    rows, log_z = torch.arange(32), torch.logsumexp(logits, dim=-1)
-    distances = torch.rand(32, K, generator=g).cumsum(dim=1) * 5
-    tokens = torch.randint(0, 200, (32, K), generator=g)  # few distinct tokens: duplicates are summed
+    rows, log_z = np.arange(32), torch.logsumexp(logits, dim=-1).numpy()
+    distances = (torch.rand(32, K, generator=g).cumsum(dim=1) * 5).numpy()
+    tokens = torch.randint(0, 200, (32, K), generator=g).int().numpy()  # few distinct tokens: duplicates are summed
     tokens[3] = -1  # a row with no neighbour keeps p_LM
     tokens[5, K // 2 :] = -1  # padding past the shard's size
-    lam, tau = torch.full((32,), 0.25), torch.full((32,), 2.0)
-    cpu = torch.log_softmax(interpolate(logits.clone(), rows, log_z, distances, tokens, lam, tau), dim=-1)
-    on = [t.cuda() for t in (logits, rows, log_z, distances, tokens, lam, tau)]
-    gpu = torch.log_softmax(interpolate(on[0].clone(), *on[1:]), dim=-1).cpu()
+    neighbours = (distances, tokens, np.full(32, 0.25, np.float32), np.full(32, 2.0, np.float32))
+    cpu = torch.log_softmax(interpolate(logits.clone(), rows, log_z, *neighbours), dim=-1)
+    on = logits.cuda()
+    gpu = torch.log_softmax(interpolate(on.clone(), rows, log_z, *neighbours), dim=-1).cpu()
     finite = torch.isfinite(cpu)
     return {
         "max_abs_diff": float((gpu[finite] - cpu[finite]).abs().max()),
         "same_infinities": bool(torch.equal(torch.isfinite(gpu), finite)),
-        "ms": median_ms(lambda: interpolate(on[0].clone(), *on[1:]).sum().item(), 50),
+        "ms": median_ms(lambda: interpolate(on.clone(), rows, log_z, *neighbours).sum().item(), 50),
     }
 
 

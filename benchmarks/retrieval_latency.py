@@ -542,17 +542,16 @@ def measure(args, record: dict, final: Path) -> dict:
                 "merge_topk": merge,
             }
         distances, tokens, _ = merge_topk(answers, K)  # from the last layout: real answers
-        d_t, t_t = torch.from_numpy(distances), torch.from_numpy(tokens)
         logits = torch.randn(bb, VOCAB)
-        lam, temp = torch.full((bb,), 0.25), torch.full((bb,), 1.0)
+        lam, temp = np.full(bb, 0.25, np.float32), np.full(bb, 1.0, np.float32)
 
         rows = list(range(bb))
 
         def mix(logits, *neighbours):  # as the server: one log-softmax a row (skip rule, normaliser), then the mix in place
             log_z, _ = KnnMixer.lm_confidence(logits, rows)
-            return interpolate(logits, torch.arange(bb), log_z, *neighbours)
+            return interpolate(logits, np.arange(bb), log_z, *neighbours)
 
-        breakdown["interpolate"] = stats_ms(timed(mix, lambda: (logits, d_t, t_t, lam, temp), 3, reps), bb)
+        breakdown["interpolate"] = stats_ms(timed(mix, lambda: (logits, distances, tokens, lam, temp), 3, reps), bb)
         breakdown["interpolate"]["vocab"] = VOCAB
         log(
             f"breakdown batch {bb}: merge(4 shards) p50 {breakdown['shards4']['merge_topk']['p50_ms']:.2f} ms, "

@@ -1,6 +1,6 @@
-"""The kNN-LM distribution: p = λ·p_kNN + (1−λ)·p_LM, in torch for serving and NumPy for evaluation.
+"""The kNN-LM distribution: p = λ·p_kNN + (1−λ)·p_LM, for serving and for evaluation.
 
-The server mixes into the step's logits in place (`interpolate`, fp32); the evaluator scores
+The server mixes into the step's logits in place (`interpolate`, fp32 logits); the evaluator scores
 targets only (`knn_log_prob`, `mixture_log_prob`, fp64). Both use the same λ rule
 (`adaptive_lambda`).
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import torch
 
@@ -37,34 +38,89 @@ def adaptive_lambda(d_nearest: np.ndarray, lambda_max: float, slope: float, cent
 
 def interpolate(
     logits: torch.Tensor,
-    rows: torch.Tensor,
-    log_z: torch.Tensor,
-    distances: torch.Tensor,
-    tokens: torch.Tensor,
-    lambda_: torch.Tensor,
-    temperature: torch.Tensor,
+    rows: np.ndarray,
+    log_z: np.ndarray,
+    distances: np.ndarray,
+    tokens: np.ndarray,
+    lambda_: np.ndarray,
+    temperature: np.ndarray,
 ) -> torch.Tensor:
-    """Mix p_kNN into `logits[rows]` (fp32 [N, vocab]; written in place and returned): afterwards
-    each of those rows' log-softmax is log(λ·p_kNN + (1−λ)·p_LM), where p_LM is the softmax of
-    the row as given and `log_z` [n] its logsumexp.
+    """Mix p_kNN into `logits[rows]` (fp32 [N, vocab] on any device; written in place and
+    returned): afterwards each of those rows' log-softmax is log(λ·p_kNN + (1−λ)·p_LM), where p_LM
+    is the softmax of the row as given and `log_z` [n] its logsumexp.
 
     Only the k neighbour entries of a row are written. Its other entries keep their logits, which
     differ from log((1−λ)·p_LM) by log_z − log(1−λ) across the whole row, so the neighbour entries
     get the mixture plus that constant (1−λ at least LM_FLOOR: the softmax normalises what the
-    floor adds). A row with no neighbour is left as it was."""
-    valid = tokens >= 0
-    scores = torch.where(valid, -distances.float() / temperature.float()[:, None], -torch.inf)
-    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-padding rows: zeros, not NaN
-    lam = torch.where(valid.any(dim=1), lambda_.float(), 0.0)[:, None]
+    floor adds). A row with no neighbour is left as it was.
+
+    The neighbours are host arrays (the shards' answers), so one compiled loop mixes the entries
+    on the host: in the logits themselves when they are contiguous host memory, else on a copy of
+    the entries read to the host and written back (three tensor operations). The formula as tensor
+    operations took some forty a step, each paying its dispatch."""
+    n, k = tokens.shape
     # Padding slots point at the row's first neighbour token: every write to a token carries the same value.
-    at = (rows[:, None].expand_as(tokens), torch.where(valid, tokens, tokens[:, :1].clamp(min=0)).long())
-    log_p_lm = logits[at] - log_z[:, None]
-    # p_kNN of each neighbour's token, duplicates summed, in the row's own neighbour entries.
-    logits.index_put_(at, torch.zeros_like(weights))
-    p_knn = logits.index_put_(at, weights, accumulate=True)[at]
-    log_rest = torch.log1p(-lam.double()).clamp(min=math.log(LM_FLOOR)).float()  # log(1−λ), fp64: 1 − 1e-10 is 1 in fp32
-    mixed = torch.logaddexp(lam.log() + p_knn.log(), log_rest + log_p_lm)
-    return logits.index_put_(at, mixed + log_z[:, None] - log_rest)
+    columns = np.where(tokens >= 0, tokens, np.maximum(tokens[:, :1], 0)).astype(np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    f32 = [np.asarray(x, dtype=np.float32) for x in (log_z, distances, lambda_, temperature)]  # one compiled signature
+    neighbours = (tokens.astype(np.int32, copy=False), f32[0], f32[1], f32[2], f32[3], math.log(LM_FLOOR))
+    if logits.device.type == "cpu" and logits.is_contiguous():
+        _mix_entries(logits.numpy(), rows, columns, *neighbours)
+        return logits
+    at = (torch.from_numpy(rows).to(logits.device)[:, None].expand(n, k), torch.from_numpy(columns).to(logits.device))
+    entries = logits[at].cpu().numpy()
+    _mix_entries(entries, np.arange(n), np.broadcast_to(np.arange(k), (n, k)), *neighbours)
+    return logits.index_put_(at, torch.from_numpy(entries).to(logits.device))
+
+
+def compile_mix() -> None:
+    """Compile (or load from numba's cache) the mix's loop now, not in a request's first kNN step."""
+    lone = (np.zeros(1, np.int64), np.zeros(1), np.zeros((1, 1)), np.zeros((1, 1), np.int32), np.ones(1), np.ones(1))
+    interpolate(torch.zeros(1, 2), *lone)  # in place
+    interpolate(torch.zeros(1, 4)[:, :2], *lone)  # through a copy of the entries
+
+
+@numba.njit(cache=True, nogil=True)
+def _mix_entries(table, rows, columns, tokens, log_z, distances, lambda_, temperature, log_floor):  # pragma: no cover - compiled
+    """In place: `table[rows[i], columns[i, j]]`, the LM's logit at `tokens[i, j]` (a padding slot:
+    at the row's first token), becomes that token's mixture plus the row's constant (see
+    `interpolate`), computed in fp64."""
+    n, k = tokens.shape
+    weights = np.empty(k)
+    for i in range(n):
+        row = rows[i]
+        top = -np.inf
+        for j in range(k):
+            if tokens[i, j] >= 0:
+                top = max(top, -distances[i, j] / temperature[i])
+        if top == -np.inf:
+            continue  # no neighbour: the row keeps p_LM
+        total = 0.0
+        for j in range(k):
+            weights[j] = np.exp(-distances[i, j] / temperature[i] - top) if tokens[i, j] >= 0 else 0.0
+            total += weights[j]
+        lam = float(lambda_[i])
+        log_lam = np.log(lam) if lam > 0 else -np.inf
+        log_rest = max(np.log1p(-lam), log_floor) if lam < 1 else log_floor
+        z = float(log_z[i])
+        order = np.argsort(tokens[i])  # each token's slots together, to sum its weights once
+        start = 0
+        while start < k:
+            token, end, p_knn = tokens[i, order[start]], start, 0.0
+            while end < k and tokens[i, order[end]] == token:
+                p_knn += weights[order[end]]
+                end += 1
+            if token >= 0:
+                a = log_lam + np.log(p_knn / total) if p_knn > 0 else -np.inf
+                b = log_rest + float(table[row, columns[i, order[start]]]) - z
+                high, low = max(a, b), min(a, b)
+                mixed = high + np.log1p(np.exp(low - high)) if low > -np.inf else high
+                for s in range(start, end):
+                    table[row, columns[i, order[s]]] = mixed + z - log_rest
+            start = end
+        for j in range(k):
+            if tokens[i, j] < 0:
+                table[row, columns[i, j]] = table[row, columns[i, 0]]
 
 
 def knn_log_prob(distances: np.ndarray, match: np.ndarray, k: int, temperature: float) -> np.ndarray:

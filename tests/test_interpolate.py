@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from knnlm_core.mixture import LM_FLOOR, interpolate, mixture_log_prob
@@ -29,7 +30,9 @@ def reference(lm_logits, distances, tokens, lam, tau):
     return out
 
 
-def test_mixture_matches_numpy_with_duplicates_and_padding():
+@pytest.mark.parametrize("layout", ["contiguous", "a view of wider logits"])
+def test_mixture_matches_numpy_with_duplicates_and_padding(layout):
+    """Contiguous host logits are mixed in place; others (a view, a device's) through a copy of the entries."""
     rng = np.random.default_rng(0)
     n, k, vocab = 6, 12, 50
     batch = rng.normal(size=(n + 2, vocab)).astype(np.float32) * 3  # the step's logits
@@ -41,8 +44,11 @@ def test_mixture_matches_numpy_with_duplicates_and_padding():
     lam = np.array([0.25, 0.5, 0.9, 0.0, 1.0, 0.75], dtype=np.float32)
     tau = np.array([1.0, 3.0, 0.5, 1.0, 2.0, 10.0], dtype=np.float32)
     logits = torch.from_numpy(batch.copy())
-    log_z = torch.logsumexp(logits[rows], dim=-1)
-    got = interpolate(logits, torch.from_numpy(rows), log_z, *(torch.from_numpy(x) for x in (distances, tokens, lam, tau)))
+    if layout != "contiguous":  # as vLLM's logits past a padded vocabulary, sliced off
+        logits = torch.cat([logits, torch.full((n + 2, 14), 99.0)], dim=1)[:, :vocab]
+        assert not logits.is_contiguous()
+    log_z = torch.logsumexp(logits[rows], dim=-1).numpy()
+    got = interpolate(logits, rows, log_z, distances, tokens, lam, tau)
     assert got is logits  # in place: the step's logits
     mixed = torch.log_softmax(got[rows], dim=-1).numpy()  # what vLLM samples from and reports as logprobs
     expected = reference(batch[rows], distances, tokens, lam, tau)

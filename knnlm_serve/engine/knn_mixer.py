@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from knnlm_core.datastore import EntryValues, load_document_starts, read_manifest
-from knnlm_core.mixture import adaptive_lambda, interpolate
+from knnlm_core.mixture import adaptive_lambda, compile_mix, interpolate
 from knnlm_core.pointers import RowLinks, linked_candidates, pointer_matrix
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KnnParams
@@ -54,6 +54,7 @@ class PendingRows:
 class KnnMixer:
     def __init__(self, retriever):
         self.retriever = retriever
+        compile_mix()
         self._document_starts: dict[tuple[str, int], np.ndarray | None] = {}
         self._values: dict[tuple[str, int], EntryValues] = {}
 
@@ -75,22 +76,23 @@ class KnnMixer:
         self._values = {key: v for key, v in self._values.items() if key in keep}
 
     @staticmethod
-    def lm_confidence(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log normaliser, top probability) of the LM at `rows`, each [len(rows)]: from one
-        log-softmax a row, for the skip rule and the mix together."""
+    def lm_confidence(logits: torch.Tensor, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(log normaliser, top probability) of the LM at `rows`, each [len(rows)] on the host: from
+        one log-softmax a row, for the skip rule and the mix together."""
         taken = take_rows(logits, rows)
         top = torch.log_softmax(taken, dim=-1).amax(dim=-1)  # amax, not max: the argmax would cost as much as the softmax
-        return taken.amax(dim=-1) - top, top.exp()
+        log_z, top = torch.stack((taken.amax(dim=-1) - top, top)).cpu().numpy()  # one copy to the host
+        return log_z, np.exp(top)
 
     @staticmethod
-    def rows_to_search(top: torch.Tensor, params: list[KnnParams], datastore: str) -> list[int]:
+    def rows_to_search(top: np.ndarray, params: list[KnnParams], datastore: str) -> list[int]:
         """Positions of the rows whose LM top probability (`top`) does not exceed their skip
         threshold; the others keep p_LM (adaptive retrieval)."""
         thresholds = np.array([p.skip_threshold for p in params], dtype=np.float32)
         if bool((thresholds >= 1).all()):
             return list(range(len(params)))
-        kept = np.flatnonzero(top.cpu().numpy() <= thresholds).tolist()
-        metrics.SKIPPED_ROWS.labels(datastore).inc(len(params) - len(kept))
+        kept = np.flatnonzero(top <= thresholds).tolist()
+        metrics.child(metrics.SKIPPED_ROWS, datastore).inc(len(params) - len(kept))
         return kept
 
     def start(
@@ -131,30 +133,30 @@ class KnnMixer:
             result = e
         if clock is not None:
             clock.lap(Part.WAIT)
-        metrics.RETRIEVAL_WAIT_SECONDS.labels(info.name).observe(rows.sending + time.perf_counter() - waiting)
+        metrics.child(metrics.RETRIEVAL_WAIT_SECONDS, info.name).observe(rows.sending + time.perf_counter() - waiting)
         if isinstance(result, RetrievalError):
-            metrics.FALLBACKS.labels(info.name, result.reason).inc(served)
+            metrics.child(metrics.FALLBACKS, info.name, result.reason).inc(served)
             if served:
                 logger.warning("serving %d row(s) LM-only: %s", served, result)
             return None
-        metrics.RETRIEVAL_SECONDS.labels(info.name).observe(time.perf_counter() - rows.started)
+        metrics.child(metrics.RETRIEVAL_SECONDS, info.name).observe(time.perf_counter() - rows.started)
         for shard, seconds in result.shard_seconds.items():
-            metrics.SHARD_SEARCH_SECONDS.labels(info.name, shard).observe(seconds)
+            metrics.child(metrics.SHARD_SEARCH_SECONDS, info.name, shard).observe(seconds)
         for shard, transport in result.transports.items():
-            metrics.SHARD_ANSWERS.labels(info.name, shard, transport).inc()
+            metrics.child(metrics.SHARD_ANSWERS, info.name, shard, transport).inc()
         if result.shard_seconds:
-            metrics.SLOWEST_SHARD_SECONDS.labels(info.name).observe(max(result.shard_seconds.values()))
+            metrics.child(metrics.SLOWEST_SHARD_SECONDS, info.name).observe(max(result.shard_seconds.values()))
         for reason in result.failed_shards.values():
-            metrics.FALLBACKS.labels(info.name, reason).inc(served)
+            metrics.child(metrics.FALLBACKS, info.name, reason).inc(served)
         follow = rows.follow
         if rows.links is not None:  # the linked rows that followed their previous row's pointers, as the shard did
             starts = self.document_starts(info)
             linked = [linked_candidates(rows.links, r, result.ids, result.tokens, starts) is not None for r in range(len(params))]
             follow = follow | np.array(linked, dtype=bool)
-        metrics.RETRIEVAL_STEPS.labels(info.name).inc()
-        metrics.QUERIES.labels(info.name).inc(int((~follow).sum()))  # with overlap, rows the skip rule then dropped too
-        metrics.POINTER_ROWS.labels(info.name).inc(int(follow.sum()))
-        metrics.NEIGHBOURS.labels(info.name).inc(int(ks.sum()))
+        metrics.child(metrics.RETRIEVAL_STEPS, info.name).inc()
+        metrics.child(metrics.QUERIES, info.name).inc(int((~follow).sum()))  # with overlap, rows the skip rule then dropped too
+        metrics.child(metrics.POINTER_ROWS, info.name).inc(int(follow.sum()))
+        metrics.child(metrics.NEIGHBOURS, info.name).inc(int(ks.sum()))
         if clock is not None:
             clock.lap(Part.RECORD)
         distances, tokens, ids = result.distances, result.tokens, result.ids
@@ -191,20 +193,11 @@ class KnnMixer:
         )
 
     @staticmethod
-    def mix(logits: torch.Tensor, rows: list[int], log_z: torch.Tensor, found: Neighbours, datastore: str) -> None:
+    def mix(logits: torch.Tensor, rows: list[int], log_z: np.ndarray, found: Neighbours, datastore: str) -> None:
         """Mix p_kNN into `logits[rows]` in place, given those rows' LM log normalisers."""
         start = time.perf_counter()
-        device = logits.device
-        interpolate(
-            logits,
-            torch.as_tensor(rows, device=device),
-            log_z,
-            torch.from_numpy(found.distances).to(device),
-            torch.from_numpy(found.tokens).to(device),
-            torch.from_numpy(found.lambdas).to(device),
-            torch.from_numpy(found.temperatures).to(device),
-        )
-        metrics.INTERPOLATION_SECONDS.labels(datastore).observe(time.perf_counter() - start)
+        interpolate(logits, np.asarray(rows), log_z, found.distances, found.tokens, found.lambdas, found.temperatures)
+        metrics.child(metrics.INTERPOLATION_SECONDS, datastore).observe(time.perf_counter() - start)
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
