@@ -15,6 +15,7 @@ host whose forward pass hides the search still pays a step.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -86,7 +87,26 @@ def part_seconds() -> dict[str, float]:
     return {part: REGISTRY.get_sample_value("knnlm_step_part_seconds_sum", {"part": part}) or 0.0 for part in PARTS}
 
 
-def run(path: Path, transport: str, rows: int, steps: int, tail_s: float) -> dict:
+def spin(seconds: float) -> None:
+    """A GPU host's CPU through the rest of the forward: the kernels launched, the thread waiting
+    on the device (CUDA's default synchronisation spins), its caches left as the kNN work left them."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def lm_head(seconds: float, weight=torch.randn(VOCAB, 576)) -> None:
+    """This CPU host through the rest of the forward: the LM head's weights (SmolLM2's) streamed
+    through the caches, as the forward pass streams them between the key and the logits."""
+    end, hidden = time.perf_counter() + seconds, torch.randn(1, 576)
+    while time.perf_counter() < end:
+        hidden @ weight.T
+
+
+TAILS = {"spin": spin, "lm-head": lm_head, "sleep": time.sleep}
+
+
+def run(path: Path, transport: str, rows: int, steps: int, tail_s: float, tail: str = "spin") -> dict:
     manifest = read_manifest(path)
     info = DatastoreInfo.of("bench", path, manifest)
     knn = KnnConfig(backend="local" if transport == "local" else "ray", compiled_graphs=transport == "graph")
@@ -106,7 +126,7 @@ def run(path: Path, transport: str, rows: int, steps: int, tail_s: float) -> dic
     def one(i: int) -> None:
         capture.ffn_input = capture.hidden = keys[(i * rows + np.arange(rows)) % len(keys)]
         knn_logits.key_ready(capture.ffn_input)
-        time.sleep(tail_s)
+        TAILS[tail](tail_s)
         mixed = knn_logits(logits.clone(), capture.hidden)
         for r, token in zip(step.requests.values(), mixed.argmax(dim=-1).tolist()):
             r.output_tokens.append(token)
@@ -141,6 +161,7 @@ def run(path: Path, transport: str, rows: int, steps: int, tail_s: float) -> dic
         "rows": rows,
         "steps": steps,
         "tail_ms": 1e3 * tail_s,
+        "tail": tail,
         "ms_per_step": ms,
         "all_ms": sum(ms.values()),
         "fixed_ms": sum(v for p, v in ms.items() if p != "wait"),
@@ -154,7 +175,9 @@ def plot(results: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{Path(r['datastore']).name[:12]} {r['entries'] // 1000}k\n{r['transport']}, {r['rows']} row(s)" for r in results]
+    labels = [
+        f"{Path(r['datastore']).name[:12]} {r['entries'] // 1000}k\n{r['transport']}, {r['rows']} row(s)\n{r['tail']}" for r in results
+    ]
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(results)), 4.5))
     bottom = np.zeros(len(results))
     for part in results[0]["ms_per_step"]:
@@ -177,6 +200,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32], help="decoding requests a step")
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--tail-ms", type=float, default=2.0, help="the forward pass after the key, while the search runs")
+    parser.add_argument(
+        "--tails", nargs="+", default=["spin", "lm-head"], choices=list(TAILS), help="what the CPU does meanwhile (spin: a GPU host's)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/step_cost.json")
     args = parser.parse_args()
     import ray
@@ -191,12 +217,16 @@ def main() -> None:
     results = []
     for path in args.datastore:
         for transport in args.transports:
-            for rows in args.rows:
-                r = run(path.resolve(), transport, rows, args.steps, args.tail_ms / 1e3)
+            for rows, tail in itertools.product(args.rows, args.tails):
+                r = run(path.resolve(), transport, rows, args.steps, args.tail_ms / 1e3, tail)
                 results.append(r)
                 parts = " ".join(f"{p} {v:.3f}" for p, v in r["ms_per_step"].items())
-                print(f"{path.name} {transport} rows {rows}: all {r['all_ms']:.3f} fixed {r['fixed_ms']:.3f} ms ({parts})")
-    report = {**run_record("step_cost"), "settings": {"steps": args.steps, "tail_ms": args.tail_ms}, "results": results}
+                print(f"{path.name} {transport} rows {rows} tail {tail}: all {r['all_ms']:.3f} fixed {r['fixed_ms']:.3f} ms ({parts})")
+    report = {
+        **run_record("step_cost"),
+        "settings": {"steps": args.steps, "tail_ms": args.tail_ms, "tails": args.tails},
+        "results": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     plot(results, args.out.with_suffix(".png"))

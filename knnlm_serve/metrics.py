@@ -149,9 +149,10 @@ DOCUMENTS = Gauge(
 
 
 @cache
-def step_part(part: str):
-    """STEP_PART_SECONDS's child for `part`, looked up once: it is observed every step."""
-    return STEP_PART_SECONDS.labels(part)
+def child(metric, *labels: str):
+    """`metric.labels(*labels)`, looked up once: the kNN step records a dozen of them every step,
+    and each lookup validates and locks. (No child of these metrics is ever removed.)"""
+    return metric.labels(*labels)
 
 
 def datastore_info_labels(info) -> tuple[str, ...]:

@@ -102,8 +102,8 @@ class DatastoreDrafter:
             if draft:
                 datastore = request.pinned.name if request.pinned is not None else "none"
                 self._proposed[request_id] = Proposed(datastore, source, len(request.output_tokens), draft)
-                metrics.DRAFTS.labels(datastore, source).inc()
-                metrics.DRAFT_TOKENS.labels(datastore, source).inc(len(draft))
+                metrics.child(metrics.DRAFTS, datastore, source).inc()
+                metrics.child(metrics.DRAFT_TOKENS, datastore, source).inc(len(draft))
         return drafts
 
     def _draft(self, knn, request_id: str, request: BatchRequest, chain: Chain | None) -> list[int]:
@@ -134,4 +134,4 @@ def _count_accepted(request: BatchRequest, proposed: Proposed) -> None:
     draft = proposed.draft
     produced = request.output_tokens[proposed.outputs : proposed.outputs + len(draft)]
     accepted = next((i for i, (a, b) in enumerate(zip(draft, produced)) if a != b), min(len(draft), len(produced)))
-    metrics.DRAFT_ACCEPTED_TOKENS.labels(proposed.datastore, proposed.source).inc(accepted)
+    metrics.child(metrics.DRAFT_ACCEPTED_TOKENS, proposed.datastore, proposed.source).inc(accepted)
