@@ -54,7 +54,10 @@ class PendingRows:
 class KnnMixer:
     def __init__(self, retriever):
         self.retriever = retriever
-        compile_mix()
+        try:
+            compile_mix()
+        except Exception:  # noqa: BLE001 - fail open: the first step compiles it, or serves its rows LM-only
+            logger.warning("knnlm: the mix's loop did not compile ahead of the first step", exc_info=True)
         self._document_starts: dict[tuple[str, int], np.ndarray | None] = {}
         self._values: dict[tuple[str, int], EntryValues] = {}
 
