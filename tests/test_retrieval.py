@@ -213,18 +213,24 @@ def test_idle_graphs_are_parked_so_their_actors_stop_polling_and_come_back_at_th
     def in_use_until_compiled() -> None:  # a search keeps the version in use and unparks its graphs
         until(lambda: retriever.search(info, queries(1), 1, None) and retriever.compiled_shards(info) == info.shards)
 
+    def cpu_used_in(seconds: float) -> list[float]:
+        before = [sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids]
+        time.sleep(seconds)
+        return [sum(psutil.Process(pid).cpu_times()[:2]) - b for pid, b in zip(pids, before)]
+
     try:
         in_use_until_compiled()
+        polling = cpu_used_in(1.0)  # compiled, idle for less than idle_s: the readers poll
         for _ in range(int(2 * idle_s / 0.1)):  # in use for twice the idle time: never parked
             assert_same(retriever.search(info, queries(), K, None), expected)
             assert retriever.compiled_shards(info) == info.shards
             time.sleep(0.1)
         until(lambda: retriever.compiled_shards(info) == [], timeout=idle_s + 10)
         time.sleep(1.0)  # the teardown reaches the actors
-        before = [sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids]
-        time.sleep(2.0)
-        busy = [sum(psutil.Process(pid).cpu_times()[:2]) - b for pid, b in zip(pids, before)]
-        assert max(busy) < 0.2, f"parked shard actors still used {busy} s of CPU in 2 s"
+        parked = cpu_used_in(2.0)
+        # Against the same actors polling (a core's worth each): a loaded machine's Ray threads
+        # alone have cost parked actors 0.2 s in 2 s, so the bound is a share of the polling.
+        assert max(parked) < 0.25 * 2 * min(polling), f"parked shard actors used {parked} s of CPU in 2 s, polling {polling} s in 1 s"
         result = retriever.search(info, queries(), K, None)  # plain calls answer while the graphs come back
         assert result.failed_shards == {}
         assert_same(result, expected)
