@@ -15,8 +15,9 @@ held-out documents can stand in for both kinds:
 
 A question whose off-topic relevance is half its answerable relevance or more asks what the store
 holds anyway (a domain's boilerplate sentence, repeated in many documents) and is left out of
-both. The gate is GATE_SHARE of the median answerable relevance: a passage must hold that share
-of the weight a question typically finds in its own document. A quantile of the off-topic
+both. The gate is GATE_SHARE of the median answerable phrase relevance: a passage must hold that
+share of the weight a question typically finds in its own document (a passage holding a whole
+clause of the question needs less, knnlm_core/relevance.py). A quantile of the off-topic
 relevances would be the direct choice, but a few held-out documents give a hundred or so
 questions, and their top percentile is one or two questions about a sister document that the
 store does hold; the median of the answerable ones is stable. The manifest records the shares of
@@ -31,7 +32,7 @@ import re
 import numpy as np
 
 from knnlm_core.passages import PHRASE, PassageIndex, words
-from knnlm_core.relevance import phrase_relevance
+from knnlm_core.relevance import Query, passage_relevance, phrase_relevance
 
 logger = logging.getLogger("index_builder")
 
@@ -56,19 +57,20 @@ def fit_gate(index: PassageIndex, documents: list[str], passages: list[str]) -> 
     rng = np.random.default_rng(0)
     vocabulary = index.vocabulary
     held = [vocabulary.informative(words(p)) for p in passages]
-    offtopic, answerable = [], []
+    offtopic, answerable, phrases = [], [], []
     for question in questions(documents, vocabulary, rng):
-        query = vocabulary.informative(words(question))
-        mine = max((phrase_relevance(query, p, vocabulary) for p in held), default=0.0)
+        query = Query.of(question, vocabulary)
+        mine = max((passage_relevance(query, p, vocabulary) for p in held), default=0.0)
         found = index.search(question, 1)
         theirs = found[0].relevance if found else 0.0
         if mine > 0 and theirs < mine / 2:
             offtopic.append(theirs)
             answerable.append(mine)
+            phrases.append(max(phrase_relevance(query, p, vocabulary) for p in held))
     if len(offtopic) < MIN_GATE_QUESTIONS:
         logger.info("passages: %d held-out questions, too few to fit a gate: every passage passes", len(offtopic))
         return {"gate": None, "relevance": PHRASE, "gate_questions": len(offtopic)}
-    gate = GATE_SHARE * float(np.median(answerable))
+    gate = GATE_SHARE * float(np.median(phrases))
     fit = {
         "gate": gate,
         "relevance": PHRASE,

@@ -11,9 +11,10 @@ passages (`write_passages`), so a forgotten document's passages never enter the 
 the old one goes with its version; readers open it read-only and immutable.
 
 A search takes BM25's best CANDIDATES passages for the query's informative words (the last
-MAX_QUERY_WORDS of them: a prompt's question comes at its end) and ranks them by phrase relevance
-(knnlm_core/relevance.py), BM25's order breaking ties, so that the passage holding the question's
-own wording comes first and its relevance does not depend on the words around the question. A
+MAX_QUERY_WORDS of them: a prompt's question comes at its end) and ranks them by relevance
+(knnlm_core/relevance.py: phrase relevance, more where the passage holds a whole clause of the
+query), BM25's order breaking ties, so that the passage holding the question's own wording comes
+first and its relevance does not depend on the words around the question. A
 datastore whose gate was fitted before phrase relevance existed (`relevance: bm25_per_word` in its
 manifest) is searched as it was then: BM25 order, relevance the best score over the number of
 distinct query words.
@@ -22,7 +23,6 @@ distinct query words.
 from __future__ import annotations
 
 import os
-import re
 import sqlite3
 from collections.abc import Iterable
 from contextlib import closing
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from knnlm_core.relevance import Vocabulary, phrase_relevance
+from knnlm_core.relevance import Query, Vocabulary, passage_relevance, words
 
 PASSAGES = "passages.sqlite"
 PASSAGE_TOKENS = 128
@@ -40,7 +40,6 @@ MIN_TAIL_TOKENS = 32  # a document's last span shorter than this joins the one b
 MAX_QUERY_WORDS = 64
 CANDIDATES = 8  # BM25's best passages that phrase relevance ranks
 PHRASE, BM25_PER_WORD = "phrase", "bm25_per_word"  # relevance measures (the manifest's `relevance`)
-_WORD = re.compile(r"\w+", re.UNICODE)
 _SCHEMA = "CREATE VIRTUAL TABLE passages USING fts5(text, document UNINDEXED, start UNINDEXED, stop UNINDEXED, tokenize='porter unicode61')"
 
 
@@ -117,13 +116,13 @@ class PassageIndex:
             return []
         if relevance == BM25_PER_WORD:
             return self._bm25_per_word(text, k)
-        query = self.vocabulary.informative(words(text))[-MAX_QUERY_WORDS:]
-        if not query:
+        query = Query.of(text, self.vocabulary, MAX_QUERY_WORDS)
+        if not query.words:
             return []
         ranked = sorted(
             (
-                (-phrase_relevance(query, self.vocabulary.informative(words(row[4])), self.vocabulary), rank, row)
-                for rank, row in enumerate(self._bm25(dict.fromkeys(query), max(k, CANDIDATES)))
+                (-passage_relevance(query, self.vocabulary.informative(words(row[4])), self.vocabulary), rank, row)
+                for rank, row in enumerate(self._bm25(dict.fromkeys(query.words), max(k, CANDIDATES)))
             ),
             key=lambda scored: scored[:2],
         )
@@ -142,11 +141,6 @@ class PassageIndex:
 
     def close(self) -> None:
         self._db.close()
-
-
-def words(text: str) -> list[str]:
-    """The words of `text`, lower-cased, in order."""
-    return [w.lower() for w in _WORD.findall(text)]
 
 
 def query_words(text: str) -> list[str]:

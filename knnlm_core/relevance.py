@@ -10,26 +10,46 @@ Words a question is wrapped in add only where the passage holds them in that ord
   informative  a word in at most COMMON_SHARE of the passages (at least one): a word in more is
                the language the passages are written in, not what one of them is about
   weight       BM25's IDF of the word, log((N - n + 0.5) / (n + 0.5)), n of N passages holding it
-  relevance    the largest sum of distinct words' weights over a run of consecutive query words
+  phrase       the largest sum of distinct words' weights over a run of consecutive query words
                whose every adjacent pair is adjacent in the passage (a run of one word counts 0)
+  clause       the query's words between two of . ! ? : ; " ( ) [ ] or a line break: a question
+               is a clause of its prompt, or the whole of a keyword query (a clause of words
+               the query said before, such as a completion's answer stem naming its module
+               again, asks nothing new and is no clause here)
+  relevance    the phrase, counted 1 / COVERED_SHARE times where its run holds at least
+               COVERED_RUN of the weight of the clauses it lies in, and at least the weight of
+               the query's informative words over ALL_WORDS_SHARE where the passage holds every
+               one of them (in any order: keywords)
 
-Plain functions over a word list and the passages' document frequencies (FAISS contrib's style);
+A short question carries little weight even when a passage holds it whole ("Returns the k-core of
+G."), while a passage about a sister function can hold a longer part of a longer one ("… maximum
+independent set" of "Returns an approximate maximum independent set."). Whether the run covers
+its clause tells the two apart where the weight alone does not; the gate (fitted on the phrase's
+scale, index_builder/passage_gate.py) then needs COVERED_SHARE of itself from a covered run.
+
+Plain functions over word lists and the passages' document frequencies (FAISS contrib's style);
 `knnlm_core/passages.py` applies them to BM25's candidates.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 COMMON_SHARE = 0.2
+COVERED_RUN = 0.85
+COVERED_SHARE = 0.55
+ALL_WORDS_SHARE = 0.85
+_WORD = re.compile(r"\w+", re.UNICODE)
+_CLAUSE_BREAK = re.compile(r'(?:[.!?](?=\s|$)|[:;"()\[\]\n])+')  # not the dots inside a dotted name
 
 
 @dataclass(frozen=True)
 class Vocabulary:
-    """How many of `passages` passages hold each word (words as `knnlm_core.passages.words` cuts them)."""
+    """How many of `passages` passages hold each word (words as `words` cuts them)."""
 
     passages: int
     holding: dict[str, int]
@@ -52,15 +72,69 @@ class Vocabulary:
         n = self.holding.get(word, 0)
         return max(0.0, math.log((self.passages - n + 0.5) / (n + 0.5)))
 
+    def weigh(self, words: set[str]) -> float:
+        """The sum of `words`' weights."""
+        return sum(self.weight(w) for w in words)
 
-def phrase_relevance(query: list[str], passage: list[str], vocabulary: Vocabulary) -> float:
-    """The relevance of a passage to a query, both as their informative words in order (module docstring)."""
+
+@dataclass(frozen=True)
+class Query:
+    """A query's informative words in order, and the clause each lies in."""
+
+    words: list[str]
+    clauses: list[int]
+
+    @classmethod
+    def of(cls, text: str, vocabulary: Vocabulary, limit: int | None = None) -> Query:
+        """The query of `text`: its last `limit` informative words (all when None)."""
+        found, clauses = [], []
+        for clause, part in enumerate(_CLAUSE_BREAK.split(text)):
+            kept = vocabulary.informative(words(part))
+            found += kept
+            clauses += [clause] * len(kept)
+        cut = 0 if limit is None else max(0, len(found) - limit)
+        return cls(found[cut:], clauses[cut:])
+
+
+def passage_relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> float:
+    """The relevance of a passage, as its informative words in order, to a query (module docstring)."""
+    return _relevance(query, passage, vocabulary)[1]
+
+
+def phrase_relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> float:
+    """The phrase alone: the scale the gate is fitted on (module docstring)."""
+    return _relevance(query, passage, vocabulary)[0]
+
+
+def _relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> tuple[float, float]:
+    """(phrase, relevance) of a passage to a query."""
+    q, weigh = query.words, vocabulary.weigh
+    clause_words: dict[int, set[str]] = {}
+    for word, clause in zip(q, query.clauses):
+        clause_words.setdefault(clause, set()).add(word)
+    said: set[str] = set()
+    for clause, found in list(clause_words.items()):  # a clause that repeats earlier words asks nothing new
+        if found <= said:
+            del clause_words[clause]
+        said |= found
     adjacent = set(zip(passage, passage[1:]))
-    best, start = 0.0, None
-    for i in range(len(query) - 1):
-        if (query[i], query[i + 1]) not in adjacent:
+    phrase = served = 0.0
+    start = None
+    for i in range(len(q) - 1):
+        if (q[i], q[i + 1]) not in adjacent:
             start = None
             continue
         start = i if start is None else start
-        best = max(best, sum(vocabulary.weight(w) for w in set(query[start : i + 2])))
-    return best
+        run = weigh(set(q[start : i + 2]))
+        spanned = set().union(*(clause_words[c] for c in range(query.clauses[start], query.clauses[i + 1] + 1) if c in clause_words))
+        phrase = max(phrase, run)
+        served = max(served, run / COVERED_SHARE if spanned and run >= COVERED_RUN * weigh(spanned) else run)
+    distinct = set(q)
+    if distinct and distinct <= set(passage):
+        served = max(served, weigh(distinct) / ALL_WORDS_SHARE)
+    return phrase, served
+
+
+def words(text: str) -> list[str]:
+    """The words of `text`, lower-cased, in order."""
+    return [w.lower() for w in _WORD.findall(text)]

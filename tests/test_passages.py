@@ -20,6 +20,7 @@ from knnlm_core.datastore import read_manifest, verify_checksums
 from knnlm_core.manifest import PassageIndexEntry
 from knnlm_core.passages import BM25_PER_WORD, PASSAGE_TOKENS, PHRASE, PassageIndex, passage_spans, write_passages
 from knnlm_core.provenance import Provenance
+from knnlm_core.relevance import ALL_WORDS_SHARE, COVERED_SHARE, Query, Vocabulary, passage_relevance, phrase_relevance, words
 
 WORD = "quetzalcoatlfjord"  # in no stored document until the fact is added
 FACT = f"The harbour of {WORD} opens its gates at dawn for the blue boats only."
@@ -134,6 +135,39 @@ def test_a_passage_holding_the_question_word_for_word_ranks_above_one_that_only_
     assert "Return the median (middle value) of numeric data" in found[0].text and len(found) == 5
     assert [p.relevance for p in found] == sorted((p.relevance for p in found), reverse=True)
     assert found[0].relevance > found[1].relevance  # the others share some of its words, not the sentence
+
+
+COMMON = "which one does this returns the an of a in g is".split()
+RARE = "approximate maximum independent set k core".split()
+
+
+def clause_vocabulary() -> Vocabulary:
+    """100 passages: the words of a question's frame in half of them (common), the rest in one each."""
+    return Vocabulary(100, {w: 50 for w in COMMON} | {w: 1 for w in RARE})
+
+
+def test_a_passage_holding_a_short_question_whole_counts_more_than_one_holding_part_of_a_longer_one():
+    vocabulary = clause_vocabulary()
+    short = Query.of("Which one does this: Returns the k-core of G.", vocabulary)
+    held_whole = vocabulary.informative(words("returns the k core of g"))
+    assert passage_relevance(short, held_whole, vocabulary) == pytest.approx(
+        phrase_relevance(short, held_whole, vocabulary) / COVERED_SHARE
+    )
+    longer = Query.of("Which one does this: Returns an approximate maximum independent set.", vocabulary)
+    sister = vocabulary.informative(words("returns the maximum independent set of g"))  # three of the clause's four words
+    assert passage_relevance(longer, sister, vocabulary) == phrase_relevance(longer, sister, vocabulary) > 0
+    assert passage_relevance(short, held_whole, vocabulary) > passage_relevance(longer, sister, vocabulary)
+
+
+def test_keywords_a_passage_holds_in_another_order_count_by_their_whole_weight():
+    vocabulary = clause_vocabulary()
+    keywords = Query.of("independent set maximum", vocabulary)
+    passage = vocabulary.informative(words("the maximum independent set of g"))
+    assert phrase_relevance(keywords, passage, vocabulary) == pytest.approx(vocabulary.weigh({"independent", "set"}))
+    assert passage_relevance(keywords, passage, vocabulary) == pytest.approx(vocabulary.weigh(set(RARE[1:4])) / ALL_WORDS_SHARE)
+    assert (
+        passage_relevance(keywords, vocabulary.informative(words("the maximum set of g")), vocabulary) == 0
+    )  # one word missing, no run: nothing
 
 
 def test_a_gate_fitted_before_phrase_relevance_is_read_and_searched_as_then(doc_index):
