@@ -79,10 +79,12 @@ class Vocabulary:
 
 @dataclass(frozen=True)
 class Query:
-    """A query's informative words in order, and the clause each lies in."""
+    """A query's informative words in order, the clause each lies in, and the words of each
+    clause that asks something new (module docstring)."""
 
     words: list[str]
     clauses: list[int]
+    asking: dict[int, set[str]]
 
     @classmethod
     def of(cls, text: str, vocabulary: Vocabulary, limit: int | None = None) -> Query:
@@ -93,7 +95,16 @@ class Query:
             found += kept
             clauses += [clause] * len(kept)
         cut = 0 if limit is None else max(0, len(found) - limit)
-        return cls(found[cut:], clauses[cut:])
+        found, clauses = found[cut:], clauses[cut:]
+        by_clause: dict[int, set[str]] = {}
+        for word, clause in zip(found, clauses):
+            by_clause.setdefault(clause, set()).add(word)
+        asking, said = {}, set()
+        for clause, held in by_clause.items():
+            if not held <= said:
+                asking[clause] = held
+            said |= held
+        return cls(found, clauses, asking)
 
 
 def passage_relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> float:
@@ -108,15 +119,7 @@ def phrase_relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -
 
 def _relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> tuple[float, float]:
     """(phrase, relevance) of a passage to a query."""
-    q, weigh = query.words, vocabulary.weigh
-    clause_words: dict[int, set[str]] = {}
-    for word, clause in zip(q, query.clauses):
-        clause_words.setdefault(clause, set()).add(word)
-    said: set[str] = set()
-    for clause, found in list(clause_words.items()):  # a clause that repeats earlier words asks nothing new
-        if found <= said:
-            del clause_words[clause]
-        said |= found
+    q, weigh, asking = query.words, vocabulary.weigh, query.asking
     adjacent = set(zip(passage, passage[1:]))
     phrase = served = 0.0
     start = None
@@ -126,7 +129,7 @@ def _relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> tupl
             continue
         start = i if start is None else start
         run = weigh(set(q[start : i + 2]))
-        spanned = set().union(*(clause_words[c] for c in range(query.clauses[start], query.clauses[i + 1] + 1) if c in clause_words))
+        spanned = set().union(*(asking[c] for c in range(query.clauses[start], query.clauses[i + 1] + 1) if c in asking))
         phrase = max(phrase, run)
         served = max(served, run / COVERED_SHARE if spanned and run >= COVERED_RUN * weigh(spanned) else run)
     distinct = set(q)
