@@ -1,9 +1,9 @@
 """Does the passage gate let in every question the store can answer, however it is written, and keep
 out the others? Pass rates per question form, with the relevance and gate a build makes now
-(phrase relevance with clause coverage, fitted on held-out questions) and those it made before (BM25 per query word,
-fitted on chance queries), and what a search costs.
+(phrase relevance, a whole clause and every keyword counted more, fitted on held-out questions)
+and those it made before (BM25 per query word, fitted on chance queries), and what a search costs.
 
-    .venv/bin/python benchmarks/passage_gate.py        # ~10 min on 2 CPU cores: no LM, only its tokenizer
+    .venv/bin/python benchmarks/passage_gate.py        # ~1.5 min on 2 CPU cores: no LM, only its tokenizer
 
 Corpora: task_eval's pydocs, networkx and sympy, and matplotlib, a corpus no setting was chosen on.
 For each, the passage index and gate as `knnlm-index build` makes them (the same held-out split,

@@ -32,7 +32,7 @@ import re
 import numpy as np
 
 from knnlm_core.passages import PHRASE, PassageIndex, words
-from knnlm_core.relevance import Query, passage_relevance, phrase_relevance
+from knnlm_core.relevance import Query, phrase_and_relevance
 
 logger = logging.getLogger("index_builder")
 
@@ -60,13 +60,13 @@ def fit_gate(index: PassageIndex, documents: list[str], passages: list[str]) -> 
     offtopic, answerable, phrases = [], [], []
     for question in questions(documents, vocabulary, rng):
         query = Query.of(question, vocabulary)
-        mine = max((passage_relevance(query, p, vocabulary) for p in held), default=0.0)
+        phrase, mine = np.max([phrase_and_relevance(query, p, vocabulary) for p in held], axis=0) if held else (0.0, 0.0)
         found = index.search(question, 1)
         theirs = found[0].relevance if found else 0.0
         if mine > 0 and theirs < mine / 2:
             offtopic.append(theirs)
             answerable.append(mine)
-            phrases.append(max(phrase_relevance(query, p, vocabulary) for p in held))
+            phrases.append(phrase)
     if len(offtopic) < MIN_GATE_QUESTIONS:
         logger.info("passages: %d held-out questions, too few to fit a gate: every passage passes", len(offtopic))
         return {"gate": None, "relevance": PHRASE, "gate_questions": len(offtopic)}

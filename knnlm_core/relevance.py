@@ -109,16 +109,11 @@ class Query:
 
 def passage_relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> float:
     """The relevance of a passage, as its informative words in order, to a query (module docstring)."""
-    return _relevance(query, passage, vocabulary)[1]
+    return phrase_and_relevance(query, passage, vocabulary)[1]
 
 
-def phrase_relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> float:
-    """The phrase alone: the scale the gate is fitted on (module docstring)."""
-    return _relevance(query, passage, vocabulary)[0]
-
-
-def _relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> tuple[float, float]:
-    """(phrase, relevance) of a passage to a query."""
+def phrase_and_relevance(query: Query, passage: list[str], vocabulary: Vocabulary) -> tuple[float, float]:
+    """(phrase, relevance) of a passage to a query: the phrase alone is the scale the gate is fitted on."""
     q, weigh, asking = query.words, vocabulary.weigh, query.asking
     adjacent = set(zip(passage, passage[1:]))
     phrase = served = 0.0

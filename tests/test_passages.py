@@ -20,7 +20,7 @@ from knnlm_core.datastore import read_manifest, verify_checksums
 from knnlm_core.manifest import PassageIndexEntry
 from knnlm_core.passages import BM25_PER_WORD, PASSAGE_TOKENS, PHRASE, PassageIndex, passage_spans, write_passages
 from knnlm_core.provenance import Provenance
-from knnlm_core.relevance import ALL_WORDS_SHARE, COVERED_SHARE, Query, Vocabulary, passage_relevance, phrase_relevance, words
+from knnlm_core.relevance import ALL_WORDS_SHARE, COVERED_SHARE, Query, Vocabulary, passage_relevance, phrase_and_relevance, words
 
 WORD = "quetzalcoatlfjord"  # in no stored document until the fact is added
 FACT = f"The harbour of {WORD} opens its gates at dawn for the blue boats only."
@@ -151,11 +151,11 @@ def test_a_passage_holding_a_short_question_whole_counts_more_than_one_holding_p
     short = Query.of("Which one does this: Returns the k-core of G.", vocabulary)
     held_whole = vocabulary.informative(words("returns the k core of g"))
     assert passage_relevance(short, held_whole, vocabulary) == pytest.approx(
-        phrase_relevance(short, held_whole, vocabulary) / COVERED_SHARE
+        phrase_and_relevance(short, held_whole, vocabulary)[0] / COVERED_SHARE
     )
     longer = Query.of("Which one does this: Returns an approximate maximum independent set.", vocabulary)
     sister = vocabulary.informative(words("returns the maximum independent set of g"))  # three of the clause's four words
-    assert passage_relevance(longer, sister, vocabulary) == phrase_relevance(longer, sister, vocabulary) > 0
+    assert passage_relevance(longer, sister, vocabulary) == phrase_and_relevance(longer, sister, vocabulary)[0] > 0
     assert passage_relevance(short, held_whole, vocabulary) > passage_relevance(longer, sister, vocabulary)
 
 
@@ -163,7 +163,7 @@ def test_keywords_a_passage_holds_in_another_order_count_by_their_whole_weight()
     vocabulary = clause_vocabulary()
     keywords = Query.of("independent set maximum", vocabulary)
     passage = vocabulary.informative(words("the maximum independent set of g"))
-    assert phrase_relevance(keywords, passage, vocabulary) == pytest.approx(vocabulary.weigh({"independent", "set"}))
+    assert phrase_and_relevance(keywords, passage, vocabulary)[0] == pytest.approx(vocabulary.weigh({"independent", "set"}))
     assert passage_relevance(keywords, passage, vocabulary) == pytest.approx(vocabulary.weigh(set(RARE[1:4])) / ALL_WORDS_SHARE)
     assert (
         passage_relevance(keywords, vocabulary.informative(words("the maximum set of g")), vocabulary) == 0
