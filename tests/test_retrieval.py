@@ -338,3 +338,21 @@ def test_any_thread_that_searches_a_shard_uses_the_shard_threads(stores):
     worker.start()
     worker.join()
     assert seen["threads"] == wanted
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core besides the model's")
+def test_in_process_searches_run_on_a_thread_off_the_cores_the_engine_is_bound_to(stores):
+    """vLLM's CPU worker binds its threads to some cores; an in-process search that ran there would
+    take the forward pass's core while it runs beside it."""
+    info, _ = stores["two"]
+    allowed = os.sched_getaffinity(0)
+    model_core = min(allowed)
+    os.sched_setaffinity(0, {model_core})  # this thread, as vLLM binds its worker's
+    try:
+        local = LocalRetriever(knn(backend="local"))
+        result = local.result(local.start(info, queries(), K, None))
+        searched_on = local._searcher.submit(os.sched_getaffinity, 0).result()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert searched_on == allowed - {model_core}
+    assert_same(result, LocalRetriever(knn(backend="local")).search(info, queries(), K, None))

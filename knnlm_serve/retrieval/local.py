@@ -1,7 +1,16 @@
-"""Shards searched in this process: for tests, tiny stores and single-process deployments."""
+"""Shards searched in this process: for tests, tiny stores and single-process deployments.
+
+A search runs on a thread of its own (FAISS and torch release the GIL), so a search started
+mid-forward runs while the forward pass ends, as an actor's would, without Ray's transport and
+without a reader polling a core between steps. Where vLLM bound this process to some of the
+host's cores (its CPU worker), that thread runs on the others, as shard actors do
+(`ShardActor.keep_off`): on a model core it would take that core from the forward pass."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +27,8 @@ class LocalRetriever:
     def __init__(self, knn: KnnConfig):
         self.gpu, self.mmap = knn.gpu, knn.mmap
         self._shards: dict[tuple[str, int], tuple[list[ShardSearcher], np.ndarray | None]] = {}  # with document starts
+        # one search at a time, in order
+        self._searcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="knnlm-search", initializer=keep_off_bound_cpus)
 
     def links_rows(self, info: DatastoreInfo) -> bool:
         """Whether a call may link rows (`RowLinks`): always, every shard is in this process."""
@@ -25,8 +36,8 @@ class LocalRetriever:
 
     def start(
         self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None, links: RowLinks | None = None
-    ) -> SearchResult:
-        """In-process shards search at once: their answer is the pending search."""
+    ) -> Future:
+        """The search, begun on the search thread; `result` waits for it."""
         if info.key not in self._shards:
             manifest = read_manifest(info.path)
             self._shards[info.key] = (
@@ -44,14 +55,17 @@ class LocalRetriever:
                 answers.append(answer)
             return merge_topk(answers, k)
 
-        if links is None:
-            distances, tokens, ids = find(queries, k, nprobe, pointers)
-        else:
-            distances, tokens, ids = find_linked(find, queries, k, nprobe, pointers, links, document_starts)
-        return SearchResult(distances, tokens, ids, seconds, transports=dict.fromkeys(seconds, "local"))
+        def run() -> SearchResult:
+            if links is None:
+                distances, tokens, ids = find(queries, k, nprobe, pointers)
+            else:
+                distances, tokens, ids = find_linked(find, queries, k, nprobe, pointers, links, document_starts)
+            return SearchResult(distances, tokens, ids, seconds, transports=dict.fromkeys(seconds, "local"))
 
-    def result(self, pending: SearchResult) -> SearchResult:
-        return pending
+        return self._searcher.submit(run)
+
+    def result(self, pending: Future) -> SearchResult:
+        return pending.result()
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:
         return self.result(self.start(info, queries, k, nprobe, pointers))
@@ -59,3 +73,11 @@ class LocalRetriever:
     def release(self, keep: set[tuple[str, int]]) -> None:
         for key in set(self._shards) - keep:
             del self._shards[key]
+
+
+def keep_off_bound_cpus() -> None:
+    """Move the calling thread to the host's CPUs this process is not bound to, if there are any."""
+    spare = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+    if spare:
+        with contextlib.suppress(OSError):  # CPUs outside this container's cpuset: stay where it is
+            os.sched_setaffinity(0, spare)
