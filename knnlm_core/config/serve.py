@@ -63,7 +63,11 @@ class KnnConfig(_Strict):
         "without a calibration; 0 = off",
     )
     nprobe: int | None = Field(None, gt=0, description="IVF lists searched; default: the datastore's calibrated nprobe, else its build's")
-    backend: Literal["ray", "local"] = Field("ray", description="ray: one actor per shard; local: in-process")
+    backend: Literal["ray", "local"] = Field(
+        "ray",
+        description="ray: one actor per shard; local: in the vLLM worker, on a thread off its bound cores "
+        "(the cheapest step at one stream on one host; no replicas, deadlines or other nodes)",
+    )
     ray_address: str | None = Field(None, description="join this Ray cluster; default: RAY_ADDRESS (a Ray job's), else a new local one")
     ray_namespace: str = Field(
         default_factory=lambda: f"knnlm-{secrets.token_hex(4)}",

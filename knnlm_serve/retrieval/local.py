@@ -1,4 +1,4 @@
-"""Shards searched in this process: for tests, tiny stores and single-process deployments.
+"""Shards searched in this process: for tests, single-process deployments and one stream on one host.
 
 A search runs on a thread of its own (FAISS and torch release the GIL), so a search started
 mid-forward runs while the forward pass ends, as an actor's would, without Ray's transport and
