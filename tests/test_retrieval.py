@@ -356,3 +356,28 @@ def test_in_process_searches_run_on_a_thread_off_the_cores_the_engine_is_bound_t
         os.sched_setaffinity(0, allowed)
     assert searched_on == allowed - {model_core}
     assert_same(result, LocalRetriever(knn(backend="local")).search(info, queries(), K, None))
+
+
+def test_an_in_process_search_that_hangs_costs_one_deadline_then_no_wait_until_it_ends(stores):
+    """A search that never returns (a hang inside FAISS: no signal stops one thread, so its shard's
+    `find` blocks here) fails its step at knn.shard_timeout_s; while it holds the search thread,
+    later steps fail at once instead of queueing behind it, and once it ends they are searched again."""
+    info, _ = stores["one"]
+    local = LocalRetriever(knn(backend="local"))
+    expected = local.search(info, queries(), K, None)
+    shard = local._shards[info.key][0][0]
+    release = threading.Event()
+    find = shard.find
+    shard.find = lambda *args: (release.wait(), find(*args))[1]
+    started = time.monotonic()
+    with pytest.raises(RetrievalError, match="longer than knn.shard_timeout_s") as late:
+        local.search(info, queries(), K, None)
+    assert late.value.reason == "shard_timeout" and TIMEOUT_S <= time.monotonic() - started < TIMEOUT_S + 1
+    started = time.monotonic()
+    with pytest.raises(RetrievalError, match="still running") as busy:
+        local.search(info, queries(), K, None)
+    assert busy.value.reason == "shard_timeout" and time.monotonic() - started < 0.1
+    shard.find = find
+    release.set()
+    until(lambda: local._late.done())
+    assert_same(local.search(info, queries(), K, None), expected)

@@ -66,7 +66,7 @@ class KnnConfig(_Strict):
     backend: Literal["ray", "local"] = Field(
         "ray",
         description="ray: one actor per shard; local: in the vLLM worker, on a thread off its bound cores "
-        "(the cheapest step at one stream on one host; no replicas, deadlines or other nodes)",
+        "(the cheapest step at one stream on one host; no replicas or other nodes, and a hang holds its thread)",
     )
     ray_address: str | None = Field(None, description="join this Ray cluster; default: RAY_ADDRESS (a Ray job's), else a new local one")
     ray_namespace: str = Field(
@@ -80,7 +80,7 @@ class KnnConfig(_Strict):
         description="check each serving datastore's directory this often and serve a new version found there "
         "(another server's add, forget or compact, or knnlm-index run on it); default: off",
     )
-    shard_timeout_s: float = Field(10.0, gt=0, description="a step waits this long for a shard before leaving it out")
+    shard_timeout_s: float = Field(10.0, gt=0, description="a step waits this long for a shard (or the local search) before leaving it out")
     on_shard_failure: Literal["partial", "lm_only"] = Field(
         "partial", description="a dead or late shard: partial = merge the shards that answered; lm_only = skip kNN for the step"
     )
