@@ -12,6 +12,7 @@ from conftest import STRICT_KNN, TINY_SERVER
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
+from knnlm_serve.eval.tasks import names
 from knnlm_serve.server.process import RunningServer
 
 pytestmark = pytest.mark.slow
@@ -42,6 +43,10 @@ def setup(tiny_model_dir, tmp_path_factory):
         yield server, work
 
 
+def item_answers(work) -> dict[str, str]:
+    return {i["id"]: i["answer"] for i in map(json.loads, (work / "items.jsonl").read_text().splitlines())}
+
+
 def knnlm_eval(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "knnlm_serve.eval.cli", *args], capture_output=True, text=True, timeout=600)
 
@@ -56,6 +61,8 @@ def test_memorised_answers_come_back_at_full_lambda_and_the_paired_counts_add_up
     summary = report["summary"]
     assert [s["id"] for s in report["skipped"]] == ["split"]  # skipped and counted, not scored wrong
     assert summary["full"]["stored"]["exact_match"] == 1.0 > summary["off"]["stored"]["exact_match"]
+    answers = item_answers(work)
+    assert all(i["full"]["greedy"] == answers[i["id"]] for i in report["items"] if i["kind"] == "stored")  # the report shows them
     assert summary["full"]["heldout"]["exact_match"] == summary["off"]["heldout"]["exact_match"] == 0.0
     for setting in ("served", "full"):
         for kind, s in summary[setting].items():
@@ -80,6 +87,14 @@ def test_chat_items_go_through_the_chat_route_with_their_passages(setup):
         item = stored[f"s{n}"]
         assert [p["document"] for p in item["context"]["passages"]] == [n] and item["off"]["passages"] == []
         assert abs(item["context"]["logprob"] - item["off"]["logprob"]) > 1e-3  # the passage changed the scored prompt
+    # A chat model answers in prose: a reply matches where it names the answer, and may run past it.
+    answers = item_answers(work)
+    for item in report["items"]:
+        answer = answers[item["id"]]
+        for setting in ("off", "context"):
+            reply = item[setting]["greedy"]
+            assert item[setting]["exact"] == names(reply, answer), reply
+    assert max(len(i["off"]["greedy"]) for i in report["items"]) > max(len(a) for a in answers.values())
 
 
 @pytest.mark.parametrize(
@@ -96,3 +111,8 @@ def test_bad_task_input_names_the_problem(setup, args, message):
     (work / "bad.jsonl").write_text('{"prompt": "a", "answer": " b"}\n{oops\n')
     result = knnlm_eval(*(a.format(bad=work / "bad.jsonl", items=work / "items.jsonl") for a in args))
     assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_a_chat_reply_matches_where_it_names_the_answer_as_a_whole_word():
+    assert names("The function is json.dumps.", " dumps") and names("dumps", "dumps")
+    assert not names("a dumpster", " dumps") and not names("undumps it", "dumps") and not names("anything", " ")
