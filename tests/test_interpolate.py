@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from knnlm_core.mixture import LM_FLOOR, interpolate, mixture_log_prob
+from knnlm_serve.engine.knn_mixer import KnnMixer
 
 
 def reference(lm_logits, distances, tokens, lam, tau):
@@ -68,3 +69,18 @@ def test_mixture_matches_numpy_with_duplicates_and_padding(layout):
         if (tokens[i] >= 0).any():
             off = np.setdiff1d(np.arange(vocab), tokens[i])
             np.testing.assert_array_equal(got[row, off].numpy(), batch[row, off])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_lm_confidence_is_each_rows_log_normaliser_and_top_probability(dtype):
+    """The skip rule's top probability and the mix's log normaliser, of the rows asked for only; fp32
+    host logits through NumPy, others (a device's; here fp64) through torch, the same numbers."""
+    rng = np.random.default_rng(1)
+    batch = torch.from_numpy(rng.normal(size=(5, 300)).astype(np.float32) * 4).to(dtype)
+    batch[3, 100:] = -torch.inf  # masked by an earlier processor (a grammar, bad words)
+    rows = [0, 3, 4]
+    log_z, top = KnnMixer.lm_confidence(batch, rows)
+    expected = torch.log_softmax(batch[rows].double(), dim=-1)
+    np.testing.assert_allclose(log_z, torch.logsumexp(batch[rows].double(), dim=-1).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(top, expected.exp().amax(dim=-1).numpy(), rtol=1e-5)
+    assert log_z.shape == top.shape == (3,)
