@@ -175,9 +175,10 @@ class KnnMixer:
             params, ks, follow = [params[i] for i in keep], ks[keep], follow[keep]
             distances, tokens, ids = distances[keep], tokens[keep], ids[keep]
         # Rows that asked for fewer neighbours are padded (new arrays: Ray's answers are read-only views).
-        beyond_k = np.arange(distances.shape[1])[None, :] >= ks[:, None]
-        distances = np.where(beyond_k, np.float32(np.inf), distances)
-        tokens, ids = np.where(beyond_k, -1, tokens), np.where(beyond_k, -1, ids)
+        if (ks < distances.shape[1]).any():
+            beyond_k = np.arange(distances.shape[1])[None, :] >= ks[:, None]
+            distances = np.where(beyond_k, np.float32(np.inf), distances)
+            tokens, ids = np.where(beyond_k, -1, tokens), np.where(beyond_k, -1, ids)
         found = Neighbours(
             distances,
             tokens,
