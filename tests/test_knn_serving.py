@@ -333,11 +333,14 @@ def test_invalid_xargs_are_a_400_naming_the_field(knn_server, xargs, field):
 
 def test_overlap_serves_what_is_served_without_it(knn_server, fast_server, token_ids):
     """knn.overlap (the default) starts each step's searches mid-forward, from the op in vLLM's
-    compiled graph, and applies the skip rule to their answers: the same tokens and logprobs as
-    searching after the logits, alone and batched, and for prompt logprobs (searched after the
-    forward pass either way)."""
+    compiled graph, for the requests the LM was not confident on at their last step, applies the
+    skip rule to their answers and searches the other rows it keeps after the logits: the same
+    tokens and logprobs as searching after the logits, alone and batched (a request with a skip
+    threshold among them), and for prompt logprobs (searched after the forward pass either way)."""
     prompt = token_ids["a"][: len(PREFIX.split()) + 2]
-    requests = [*MIXED_REQUESTS, {"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": 0.0}]  # + every row skipped
+    # + every row skipped; + about half its rows (the tiny model's top probabilities lie near 6e-5),
+    # so that a row the last step's skip predicted is searched after the logits, beside begun rows
+    requests = [*MIXED_REQUESTS, *({"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": t} for t in (0.0, 5.8e-5))]
     expected = served_with_knn(knn_server, lambda: [complete(knn_server, prompt, **x) for x in requests])
     expected_echo = prompt_logprobs(knn_server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)
     server = fast_server
@@ -345,9 +348,9 @@ def test_overlap_serves_what_is_served_without_it(knn_server, fast_server, token
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda x: complete(server, prompt, **x), requests))
     echo = prompt_logprobs(server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)
-    # A request whose every row is skipped: its searches ran all the same, begun before the
-    # logits existed, where the server without overlap searches none of its rows. (Its 6 tokens
-    # may take more rows there: drafts are rows too.)
+    # A request whose every row is skipped: its first step's search ran all the same, begun before
+    # the logits existed, and none after it, where the server without overlap searches none of its
+    # rows. (Its 6 tokens may take more rows there: drafts are rows too.)
     all_skipped = {"knn_datastore": "a", "knn_skip_threshold": 0.0}
     counted = [rows_counted(s, lambda s=s: complete(s, prompt, max_tokens=6, **all_skipped)) for s in (server, knn_server)]
     for want, *got in zip(expected, alone, together):
@@ -357,7 +360,7 @@ def test_overlap_serves_what_is_served_without_it(knn_server, fast_server, token
     np.testing.assert_allclose(echo, expected_echo, atol=1e-4)
     (overlap_skipped, overlap_searched), (skipped, searched) = counted
     assert skipped == 6 and searched == 0
-    assert overlap_searched == overlap_skipped >= 6
+    assert overlap_searched == 1 and overlap_skipped >= 6
 
 
 def test_compiled_graphs_serve_what_plain_calls_serve(knn_server, fast_server, token_ids):

@@ -24,13 +24,12 @@ def search_rounds(draft: np.ndarray, params: list[KnnParams], group: list[int]) 
     return [rounds[j] for j in sorted(rounds)]
 
 
-def search_calls(rounds: list[list[int]], first_begun: bool, links_rows: bool) -> list[list[int]]:
-    """The search calls, in order: one per round; where the retriever links rows, every round in
-    one call, or, when the first was begun mid-forward, the rest in one call after it."""
+def search_calls(rounds: list[list[int]], links_rows: bool) -> list[list[int]]:
+    """The search calls, in order: one per round, or, where the retriever links rows, every
+    round in one call."""
     if len(rounds) < 2 or not links_rows:
         return rounds
-    rest = sorted(r for members in rounds[1:] for r in members)
-    return [rounds[0], rest] if first_begun else [sorted(rounds[0] + rest)]
+    return [sorted(r for members in rounds for r in members)]
 
 
 def row_links(rows: LogitsRows, params: list[KnnParams], fed: list[int | None], call: list[int]) -> RowLinks | None:
