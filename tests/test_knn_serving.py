@@ -333,13 +333,13 @@ def test_invalid_xargs_are_a_400_naming_the_field(knn_server, xargs, field):
 
 def test_overlap_serves_what_is_served_without_it(knn_server, fast_server, token_ids):
     """knn.overlap (the default) starts each step's searches mid-forward, from the op in vLLM's
-    compiled graph, for the requests the LM was not confident on at their last step, applies the
-    skip rule to their answers and searches the other rows it keeps after the logits: the same
-    tokens and logprobs as searching after the logits, alone and batched (a request with a skip
-    threshold among them), and for prompt logprobs (searched after the forward pass either way)."""
+    compiled graph, unless the LM was confident on every request at its last step (then it
+    searches the rows the skip rule keeps after the logits), and applies the skip rule to their
+    answers: the same tokens and logprobs as searching after the logits, alone and batched, and
+    for prompt logprobs (searched after the forward pass either way)."""
     prompt = token_ids["a"][: len(PREFIX.split()) + 2]
     # + every row skipped; + about half its rows (the tiny model's top probabilities lie near 6e-5),
-    # so that a row the last step's skip predicted is searched after the logits, beside begun rows
+    # so that alone some of its steps are begun and dropped, and some searched after the logits
     requests = [*MIXED_REQUESTS, *({"knn_datastore": "a", "knn_lambda": 0.9, "knn_skip_threshold": t} for t in (0.0, 5.8e-5))]
     expected = served_with_knn(knn_server, lambda: [complete(knn_server, prompt, **x) for x in requests])
     expected_echo = prompt_logprobs(knn_server, token_ids["b"], knn_datastore="b", knn_lambda=0.5)

@@ -118,10 +118,9 @@ class KnnConfig(_Strict):
     overlap: bool = Field(
         True,
         description="start a step's searches mid-forward, at the last layer's FFN input, so the shards search while the "
-        "last MLP, the final norm and the LM head run. The skip rule needs the logits, so it is predicted from each "
-        "request's last step: a request the LM was confident on then is searched after the logits if the rule keeps "
-        "its row, and the others are begun mid-forward even if the rule then drops their row (false: search only the "
-        "rows the skip rule keeps, after the logits)",
+        "last MLP, the final norm and the LM head run, even those of rows the skip rule then drops. The skip rule needs "
+        "the logits, so it is predicted from each request's last step: where the LM was confident on every request "
+        "then, the step searches only the rows the rule keeps, after the logits (false: always so)",
     )
     draft_tokens: int = Field(
         0,

@@ -40,7 +40,7 @@ class BatchRequest:
     params: KnnParams | None = None  # set at the request's first step
     pinned: DatastoreInfo | None = None  # the version serving then; None when kNN is off
     last: list[LastNeighbours] = field(default_factory=list)  # its rows' neighbours at its last sampling step
-    confident: bool = False  # the skip rule served its last sampling row p_LM (knn.overlap then defers its search)
+    confident: bool = False  # the skip rule served its last sampling row p_LM (knn.overlap predicts the rule from it)
 
     def last_sampled(self) -> tuple[LastNeighbours, int] | None:
         """The neighbours of the row that the request's newest token was sampled from, and that

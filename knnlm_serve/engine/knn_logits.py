@@ -18,10 +18,10 @@ one draft position at a time, so each row sees what decoding without drafts woul
 and vLLM's rejection sampler verifies the drafts against the kNN-LM's own distribution. Where
 one shard actor (or this process) holds the version, the rounds run there, in one call (RowLinks).
 With knn.overlap, steps 1-2 and the start of the search happen earlier, mid-forward (key_ready),
-for the first round's active sampling rows whose request the LM was not confident on at its last
-sampling row; the call then applies the skip rule, collects those answers and searches the rest
-of the rows it keeps. vLLM computes sample and prompt logprobs from what this returns, so
-clients see the mixture.
+for the first round's active sampling rows, unless the LM was confident on every one of their
+requests at its last sampling row (the skip rule, predicted: the call then searches the rows the
+rule keeps); the call then applies the skip rule and collects the answers. vLLM computes sample
+and prompt logprobs from what this returns, so clients see the mixture.
 """
 
 from __future__ import annotations
@@ -64,7 +64,6 @@ class StepPlan:
     versions: dict[tuple[str, int], DatastoreInfo]
     clock: StepClock  # the kNN work on the step's path, from mid-forward (key_ready) on
     started: dict[tuple[str, int], PendingRows | None] = field(default_factory=dict)  # searches begun mid-forward
-    begun: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # their rows
 
 
 class KnnLogits:
@@ -93,8 +92,9 @@ class KnnLogits:
         """Mid-forward, once the last layer's FFN input exists (capture's `knnlm::key_ready`): with
         knn.overlap, start the sampling rows' searches now, so the shards search while the last MLP,
         the final norm and the LM head run; `__call__` collects them. The skip rule needs the
-        logits, so it is predicted from the request's last sampling row: a request the LM was
-        confident on then is searched after the logits, if the rule keeps its row."""
+        logits, so it is predicted from each request's last sampling row: where the LM was
+        confident on every request then, the call searches only the rows the rule keeps. Else
+        every row is begun, in one search (a second one after the logits would wait on the first)."""
         self._begun = None
         if not self.runtime.knn.overlap:
             return
@@ -115,11 +115,10 @@ class KnnLogits:
             if info.key_type != "ffn_input" or key in self.faults.unhealthy:  # a `final` key does not exist yet
                 continue
             try:
-                first = [r for r in search_rounds(rows.draft, plan.params, group)[0] if not plan.requests[r].confident]
-                if not first:
+                first = search_rounds(rows.draft, plan.params, group)[0]
+                if all(plan.requests[r].confident for r in first):
                     continue
                 keys = ffn_input[torch.as_tensor(rows.token_index[first], device=ffn_input.device)]
-                plan.begun[key] = first
                 plan.started[key] = self._start(plan, first, info, keys) if self.first_rank.rank == 0 else None
             except Exception as e:  # noqa: BLE001 - fail open: these rows are served LM-only
                 self.faults.failed("key_ready", e, len(group), key)
@@ -179,8 +178,8 @@ class KnnLogits:
         return logits
 
     def _serve(self, plan: StepPlan, key, group: list[int], logits: torch.Tensor, hidden_states: torch.Tensor, evidence) -> None:
-        """One datastore version's rows: the skip rule, their neighbours (those begun mid-forward
-        collected, the rest searched now, round by round), and the mix into `logits` in place."""
+        """One datastore version's rows: the skip rule, their neighbours round by round (the first
+        collected if begun mid-forward, else searched now), and the mix into `logits` in place."""
         info, params, rows = plan.versions[key], plan.params, plan.rows
         if evidence:
             evidence.skipped(group, info)
@@ -192,11 +191,9 @@ class KnnLogits:
         if rows.sampling:
             for r in group:
                 plan.requests[r].confident = r not in to_search
-        begun = plan.begun.get(key, [])
-        rest = [r for r in group if r not in begun] if begun else group
-        rounds = search_rounds(rows.draft, params, rest)
-        calls = search_calls(rounds, self.mixer.retriever.links_rows(info))
-        for i, members in enumerate([begun, *calls] if begun else calls):
+        rounds, begun, links = search_rounds(rows.draft, params, group), key in plan.started, self.mixer.retriever.links_rows(info)
+        calls = [rounds[0], *search_calls(rounds[1:], links)] if begun else search_calls(rounds, links)
+        for i, members in enumerate(calls):
             searched = [r for r in members if r in to_search]
             if begun and i == 0:  # begun mid-forward: collected even if every row was skipped
                 found = self.first_rank.run(self.mixer.finish, plan.started.pop(key), [members.index(r) for r in searched], plan.clock)
