@@ -5,8 +5,9 @@ stand-in for the runner's step: `--rows` decoding requests with the datastore's 
 keys as queries, SmolLM2-sized logits, and a pause between the two calls where the rest of the
 forward pass would run (`--tail-ms`; the search runs meanwhile). The shards are the datastore's
 Ray actors (compiled graphs or plain calls) or in-process (`local`). The parts are the step's own
-clock (`knnlm_step_part_seconds`, engine/step_clock.py); *fixed* is every part but the wait: what a
-host whose forward pass hides the search still pays a step.
+clock (`knnlm_step_part_seconds`, engine/step_clock.py), recorded in prometheus_client's multiprocess
+mode as in the server; *fixed* is every part but the wait: what a host whose forward pass hides the
+search still pays a step.
 
     python benchmarks/step_cost.py --datastore STORE [--datastore STORE2] [--rows 1 32] \
         [--transports graph call local] [--out benchmarks/results/step_cost.json]
@@ -17,22 +18,28 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-from prometheus_client import REGISTRY
+# Metrics recorded as the server's engine worker records them: prometheus_client's multiprocess
+# mode (the launcher sets it), where each write goes to a memory-mapped file under a lock.
+os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="step-cost-metrics-"))
 
-from knnlm_core.config import KnnConfig
-from knnlm_core.datastore import read_manifest
-from knnlm_core.search import open_shards
-from knnlm_serve.engine.batch_requests import BatchRequest
-from knnlm_serve.engine.knn_logits import KnnLogits
-from knnlm_serve.engine.rows import sampling_rows
-from knnlm_serve.engine.step_clock import PARTS
-from knnlm_serve.runtime import DatastoreInfo, Runtime
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from prometheus_client import REGISTRY  # noqa: E402
+
+from knnlm_core.config import KnnConfig  # noqa: E402
+from knnlm_core.datastore import read_manifest  # noqa: E402
+from knnlm_core.search import open_shards  # noqa: E402
+from knnlm_serve.engine.batch_requests import BatchRequest  # noqa: E402
+from knnlm_serve.engine.knn_logits import KnnLogits  # noqa: E402
+from knnlm_serve.engine.rows import sampling_rows  # noqa: E402
+from knnlm_serve.engine.step_clock import PARTS  # noqa: E402
+from knnlm_serve.runtime import DatastoreInfo, Runtime  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_record import run_record  # noqa: E402
@@ -84,7 +91,7 @@ class Capture:
 
 
 def part_seconds() -> dict[str, float]:
-    return {part: REGISTRY.get_sample_value("knnlm_step_part_seconds_sum", {"part": part}) or 0.0 for part in PARTS}
+    return {part: REGISTRY.get_sample_value("knnlm_step_part_seconds_total", {"part": part}) or 0.0 for part in PARTS}
 
 
 def spin(seconds: float) -> None:

@@ -59,17 +59,17 @@ def interpolate(
     the entries read to the host and written back (three tensor operations). The formula as tensor
     operations took some forty a step, each paying its dispatch."""
     n, k = tokens.shape
-    # Padding slots point at the row's first neighbour token: every write to a token carries the same value.
-    columns = np.where(tokens >= 0, tokens, np.maximum(tokens[:, :1], 0)).astype(np.int64)
     rows = np.asarray(rows, dtype=np.int64)
     f32 = [np.asarray(x, dtype=np.float32) for x in (log_z, distances, lambda_, temperature)]  # one compiled signature
     neighbours = (tokens.astype(np.int32, copy=False), f32[0], f32[1], f32[2], f32[3], math.log(LM_FLOOR))
     if logits.device.type == "cpu" and logits.is_contiguous():
-        _mix_entries(logits.numpy(), rows, columns, *neighbours)
+        _mix_entries(logits.numpy(), rows, True, *neighbours)
         return logits
+    # Padding slots read and write the row's first neighbour token: every write to a token carries the same value.
+    columns = np.where(tokens >= 0, tokens, np.maximum(tokens[:, :1], 0)).astype(np.int64)
     at = (torch.from_numpy(rows).to(logits.device)[:, None].expand(n, k), torch.from_numpy(columns).to(logits.device))
     entries = logits[at].cpu().numpy()
-    _mix_entries(entries, np.arange(n), np.broadcast_to(np.arange(k), (n, k)), *neighbours)
+    _mix_entries(entries, np.arange(n), False, *neighbours)
     return logits.index_put_(at, torch.from_numpy(entries).to(logits.device))
 
 
@@ -81,10 +81,12 @@ def compile_mix() -> None:
 
 
 @numba.njit(cache=True, nogil=True)
-def _mix_entries(table, rows, columns, tokens, log_z, distances, lambda_, temperature, log_floor):  # pragma: no cover - compiled
-    """In place: `table[rows[i], columns[i, j]]`, the LM's logit at `tokens[i, j]` (a padding slot:
-    at the row's first token), becomes that token's mixture plus the row's constant (see
-    `interpolate`), computed in fp64."""
+def _mix_entries(table, rows, by_token, tokens, log_z, distances, lambda_, temperature, log_floor):  # pragma: no cover - compiled
+    """In place: the LM's logit at `tokens[i, j]` in row `rows[i]` of `table`, at column `tokens[i, j]`
+    (`by_token`: the logits themselves) or at column j (the row's entries, read out slot by slot),
+    becomes that token's mixture plus the row's constant (see `interpolate`), computed in fp64. A
+    padding slot (token −1) stands for the row's first token: in the logits it is not written, among
+    the read-out entries it gets that token's value."""
     n, k = tokens.shape
     weights = np.empty(k)
     for i in range(n):
@@ -112,15 +114,16 @@ def _mix_entries(table, rows, columns, tokens, log_z, distances, lambda_, temper
                 end += 1
             if token >= 0:
                 a = log_lam + np.log(p_knn / total) if p_knn > 0 else -np.inf
-                b = log_rest + float(table[row, columns[i, order[start]]]) - z
+                b = log_rest + float(table[row, token if by_token else order[start]]) - z
                 high, low = max(a, b), min(a, b)
                 mixed = high + np.log1p(np.exp(low - high)) if low > -np.inf else high
                 for s in range(start, end):
-                    table[row, columns[i, order[s]]] = mixed + z - log_rest
+                    table[row, token if by_token else order[s]] = mixed + z - log_rest
             start = end
-        for j in range(k):
-            if tokens[i, j] < 0:
-                table[row, columns[i, j]] = table[row, columns[i, 0]]
+        if not by_token:
+            for j in range(k):
+                if tokens[i, j] < 0:
+                    table[row, j] = table[row, 0]
 
 
 def knn_log_prob(distances: np.ndarray, match: np.ndarray, k: int, temperature: float) -> np.ndarray:

@@ -34,12 +34,12 @@ STEP_SECONDS = Histogram(
     "also what ran mid-forward); its sum over a run's wall time is the share of the engine's time kNN took",
     buckets=_LATENCY_BUCKETS,
 )
-STEP_PART_SECONDS = Histogram(
+STEP_PART_SECONDS = Counter(  # a counter: one write a part a step, where a histogram's buckets cost two and a search
     "knnlm_step_part_seconds",
-    "knnlm_step_seconds split by part (engine/step_clock.py): plan, keys, send, confidence (the LM's log-softmax), "
-    "wait (for the shards' answers and their merge), neighbours, mix, record (neighbours kept, explanations, metrics)",
+    "knnlm_step_seconds split by part (engine/step_clock.py), summed over steps: plan, keys, send, confidence (the LM's "
+    "log-softmax), wait (for the shards' answers and their merge), neighbours, mix, record (neighbours kept, explanations, "
+    "metrics); per step: divide by knnlm_step_seconds_count",
     ["part"],
-    buckets=_LATENCY_BUCKETS,
 )
 INTERPOLATION_SECONDS = Histogram(
     "knnlm_interpolation_seconds",
@@ -153,6 +153,14 @@ def child(metric, *labels: str):
     """`metric.labels(*labels)`, looked up once: the kNN step records a dozen of them every step,
     and each lookup validates and locks. (No child of these metrics is ever removed.)"""
     return metric.labels(*labels)
+
+
+def count(metric, n: int, *labels: str) -> None:
+    """`child(metric, *labels).inc(n)`, without the write when n is 0 (the series exists either way):
+    a step's counts of its kinds of rows are often 0, and each write takes a lock."""
+    counter = child(metric, *labels)
+    if n:
+        counter.inc(n)
 
 
 def datastore_info_labels(info) -> tuple[str, ...]:

@@ -110,7 +110,7 @@ def run_benchmark(
         "mix": 1e3 * server["knn_interpolation_seconds"] / steps,
     }
     # The same, part by part (engine/step_clock.py): they add up to "all".
-    server["ms_per_step_part"] = {part: 1e3 * delta(rf'knnlm_step_part_seconds_sum\{{part="{part}"\}}') / steps for part in PARTS}
+    server["ms_per_step_part"] = {part: 1e3 * delta(rf'knnlm_step_part_seconds_total\{{part="{part}"\}}') / steps for part in PARTS}
     # Per search, its span from sending to collecting: the slowest shard's FAISS time (the fan-out
     # waits for it) and the rest (Ray transport, merge; with knn.overlap also the end of the
     # forward pass that ran meanwhile, so this span is not all on the step's path).

@@ -103,7 +103,7 @@ class KnnMixer:
         if bool((thresholds >= 1).all()):
             return list(range(len(params)))
         kept = np.flatnonzero(top <= thresholds).tolist()
-        metrics.child(metrics.SKIPPED_ROWS, datastore).inc(len(params) - len(kept))
+        metrics.count(metrics.SKIPPED_ROWS, len(params) - len(kept), datastore)
         return kept
 
     def start(
@@ -165,8 +165,9 @@ class KnnMixer:
             linked = [linked_candidates(rows.links, r, result.ids, result.tokens, starts) is not None for r in range(len(params))]
             follow = follow | np.array(linked, dtype=bool)
         metrics.child(metrics.RETRIEVAL_STEPS, info.name).inc()
-        metrics.child(metrics.QUERIES, info.name).inc(int((~follow).sum()))  # with overlap, rows the skip rule then dropped too
-        metrics.child(metrics.POINTER_ROWS, info.name).inc(int(follow.sum()))
+        followed = int(follow.sum())
+        metrics.count(metrics.QUERIES, len(follow) - followed, info.name)  # with overlap, rows the skip rule then dropped too
+        metrics.count(metrics.POINTER_ROWS, followed, info.name)
         metrics.child(metrics.NEIGHBOURS, info.name).inc(int(ks.sum()))
         if clock is not None:
             clock.lap(Part.RECORD)
