@@ -58,7 +58,7 @@ class Step:
     def sampling_rows(self):
         return self.rows
 
-    def rows_of(self, hidden_states, model_output):
+    def rows_of(self, hidden_states, model_output, sampling=None):
         return self.rows
 
     def request_id(self, slot: int) -> str:

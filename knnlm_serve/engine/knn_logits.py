@@ -141,14 +141,14 @@ class KnnLogits:
             return logits
 
     def _mixed(self, logits: torch.Tensor, hidden_states: torch.Tensor, begun: StepPlan | None, clock: StepClock) -> torch.Tensor:
-        rows = self.step.rows_of(hidden_states, self.capture.hidden)
+        rows = self.step.rows_of(hidden_states, self.capture.hidden, begun.rows if begun is not None else None)
         if rows is None:  # vLLM's warm-up and profiling calls
             return logits
-        if begun is not None and not (rows.sampling and np.array_equal(begun.rows.token_index, rows.token_index)):
-            self._drain(begun)  # not this call's rows (cannot happen with vLLM 0.32's runner): plan anew
+        if begun is not None and rows is not begun.rows:
+            self._drain(begun)  # not the sampling call (cannot happen with vLLM 0.32's runner): plan anew
             logger.warning("knnlm: searches begun mid-forward were not for this step's sampling rows; searched again")
             begun = None
-        plan = begun if rows.sampling and begun is not None else self._plan(rows, clock)
+        plan = begun if begun is not None else self._plan(rows, clock)
         if not plan.groups:
             return logits
         logits = logits.float()

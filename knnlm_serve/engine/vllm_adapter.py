@@ -155,15 +155,19 @@ class StepView:
         self._runner = runner
         self._speculating = runner.speculative_config is not None
 
-    def rows_of(self, hidden_states: torch.Tensor, model_output: torch.Tensor | None) -> LogitsRows | None:
-        """Each logits row's token and request slot; None for calls outside a real step (warm-up)."""
+    def rows_of(
+        self, hidden_states: torch.Tensor, model_output: torch.Tensor | None, sampling: LogitsRows | None = None
+    ) -> LogitsRows | None:
+        """Each logits row's token and request slot; None for calls outside a real step (warm-up).
+        `sampling`: this step's sampling rows where they were read already (mid-forward), which a
+        sampling call then returns as they are."""
         num_reqs = self._runner.input_batch.num_reqs
         if num_reqs == 0:
             return None
         first = first_viewed_row(hidden_states, model_output)
         if first is not None:
             return prompt_rows(self._runner.query_start_loc.np[: num_reqs + 1], num_reqs, first, hidden_states.shape[0])
-        return checked(self.sampling_rows(), hidden_states.shape[0], num_reqs)
+        return checked(self.sampling_rows() if sampling is None else sampling, hidden_states.shape[0], num_reqs)
 
     def sampling_rows(self) -> LogitsRows | None:
         """The rows this step's sampling call will have, known before the forward pass ends; None

@@ -135,8 +135,12 @@ class StepView:
         self._batch = None
         self._outputs = {}
 
-    def rows_of(self, hidden_states: torch.Tensor, model_output: torch.Tensor | None) -> LogitsRows | None:
-        """Each logits row's token and batch index; None for calls outside a real step (warm-up)."""
+    def rows_of(
+        self, hidden_states: torch.Tensor, model_output: torch.Tensor | None, sampling: LogitsRows | None = None
+    ) -> LogitsRows | None:
+        """Each logits row's token and batch index; None for calls outside a real step (warm-up).
+        `sampling`: this step's sampling rows where they were read already (mid-forward), which a
+        sampling call then returns as they are."""
         batch = self._batch
         if batch is None or batch.num_reqs == 0:
             return None
@@ -144,7 +148,7 @@ class StepView:
         if first is not None:
             rows = prompt_rows(batch.query_start_loc_np, batch.num_reqs, first, hidden_states.shape[0])
             return dataclasses.replace(rows, kept=self._asked_for_prompt_logprobs()[rows.slot])
-        return checked(self.sampling_rows(), hidden_states.shape[0], batch.num_reqs)
+        return checked(self.sampling_rows() if sampling is None else sampling, hidden_states.shape[0], batch.num_reqs)
 
     def sampling_rows(self) -> LogitsRows | None:
         """The rows this step's sampling call will have, known before the forward pass ends; None
