@@ -12,8 +12,9 @@ Words a question is wrapped in add only where the passage holds them in that ord
   weight       BM25's IDF of the word, log((N - n + 0.5) / (n + 0.5)), n of N passages holding it
   phrase       the largest sum of distinct words' weights over a run of consecutive query words
                whose every adjacent pair is adjacent in the passage (a run of one word counts 0)
-  clause       the query's words between two of . ! ? : ; " ( ) [ ] or a line break: a question
-               is a clause of its prompt, or the whole of a keyword query (a clause of words
+  clause       the query's words between two of . ! ? : ; " or a line break: a question is a
+               clause of its prompt, or the whole of a keyword query (a bracketed part such as
+               "[vmin, vmax]" or "(DFS)" is part of its sentence, not a question; a clause of words
                the query said before, such as a completion's answer stem naming its module
                again, asks nothing new and is no clause here)
   relevance    the phrase, counted 1 / COVERED_SHARE times where its run holds at least
@@ -44,7 +45,7 @@ COVERED_RUN = 0.85
 COVERED_SHARE = 0.55
 ALL_WORDS_SHARE = 0.85
 _WORD = re.compile(r"\w+", re.UNICODE)
-_CLAUSE_BREAK = re.compile(r'(?:[.!?](?=\s|$)|[:;"()\[\]\n])+')  # not the dots inside a dotted name
+_CLAUSE_BREAK = re.compile(r'(?:[.!?](?=\s|$)|[:;"\n])+')  # not the dots inside a dotted name
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,14 @@ def test_a_passage_holding_a_short_question_whole_counts_more_than_one_holding_p
     assert passage_relevance(short, held_whole, vocabulary) > passage_relevance(longer, sister, vocabulary)
 
 
+def test_a_bracketed_part_of_a_question_is_not_a_clause_of_its_own():
+    vocabulary = Vocabulary(100, {w: 50 for w in COMMON} | {w: 1 for w in "class maps values interval vmin vmax linearly".split()})
+    question = Query.of("Which one does this: A class that maps values in the interval [vmin, vmax] linearly.", vocabulary)
+    mentions_the_bounds = vocabulary.informative(words("the default covers the range vmin vmax of the data"))
+    phrase, relevance = phrase_and_relevance(question, mentions_the_bounds, vocabulary)
+    assert relevance == phrase == pytest.approx(vocabulary.weigh({"vmin", "vmax"}))  # two of the clause's seven words: no more
+
+
 def test_keywords_a_passage_holds_in_another_order_count_by_their_whole_weight():
     vocabulary = clause_vocabulary()
     keywords = Query.of("independent set maximum", vocabulary)
