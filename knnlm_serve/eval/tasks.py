@@ -219,7 +219,7 @@ def draw(axes, summary: dict, kinds: list[str]) -> None:
         x = [k + n * width for k in range(len(kinds))]
         axes[0].bar(x, [by_kind[k]["exact_match"] for k in kinds], width, label=setting, color=f"C{n}")
         axes[1].bar(x, [by_kind[k]["vs_off"]["mean_logprob_gain"] for k in kinds], width, color=f"C{n}")
-    axes[0].set_ylim(bottom=0)
+    axes[0].set_ylim(0, 1)  # a share: fixed, so that columns sharing the axis are not cut at the first one's top
     axes[1].axhline(0, color="grey", linewidth=0.8)
     axes[1].set_xticks([k + width * (len(summary) - 1) / 2 for k in range(len(kinds))], kinds, rotation=25, ha="right", fontsize=8)
     axes[0].set_ylabel("greedy exact match\n(chat: reply names it)")
