@@ -29,7 +29,7 @@ from index_builder.versions import link_version, one_writer, prepare_workdir, pu
 from knnlm_core.config import BuildCluster, BuildConfig
 from knnlm_core.corpus import find_files, no_text_error
 from knnlm_core.datastore import check_compatible, file_entry, load_document_starts, write_manifest
-from knnlm_core.errors import CorpusError
+from knnlm_core.errors import CorpusError, KnnlmError
 from knnlm_core.files import write_json_atomic
 from knnlm_core.keys import KeyEncoder
 from knnlm_core.manifest import MANIFEST, QUANTIZER, AddRecord, Manifest
@@ -135,7 +135,14 @@ def add_documents(
     if recalibrate:
         from index_builder.calibrate import recalibrate as fit_again
 
-        new = fit_again(root, [], model_dir, config, progress)
+        try:
+            new = fit_again(root, [], model_dir, config, progress)
+        except KnnlmError as e:  # the add stands: say so, or a user would add the documents again
+            raise KnnlmError(
+                f"{root}: the documents were added, but recalibrating failed ({e}); "
+                f"knnlm-index calibrate {root} TEXT... calibrates it on held-out text",
+                e.kind,
+            ) from None
     return new, new.additions[-1]
 
 

@@ -18,6 +18,7 @@ from knnlm_core.config_file import flag_message
 from knnlm_core.default_model import DEFAULT_MODEL, model_dir_for
 from knnlm_core.errors import ConfigError, KnnlmError
 from knnlm_core.flags import positive_int
+from knnlm_core.manifest import job_record
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, model: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "add":
             from index_builder.add import add_documents
 
-            _, record = add_documents(
+            manifest, _ = add_documents(
                 args.datastore,
                 args.inputs,
                 model_dir_for(args.model),
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                 cluster=BuildCluster(ray_address=args.ray_address),
                 progress=not args.quiet,
             )
-            print(json.dumps(record.model_dump(mode="json"), indent=2))
+            print(json.dumps(job_record(manifest, "add"), indent=2))
         elif args.command == "forget":
             from index_builder.forget import forget_documents
 
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             from index_builder.compact import compact_datastore
 
             manifest = compact_datastore(args.datastore, shards=args.shards, progress=not args.quiet, ray_address=args.ray_address)
-            print(json.dumps(manifest.compactions[-1].model_dump(mode="json", exclude={"forgotten"}), indent=2))
+            print(json.dumps(job_record(manifest, "compact"), indent=2))
         elif args.command == "inspect":
             from index_builder.verify import inspect_datastore, provenance_summary
 

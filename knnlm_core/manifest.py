@@ -228,6 +228,14 @@ class Manifest(_Record):
         return [f for s in self.shards for f in shard_files(s)] + [f for f in extra if f is not None]
 
 
+def job_record(manifest: Manifest, job: Literal["add", "compact"]) -> dict:
+    """The audit record of the `knnlm-index add` or `compact` that wrote this version, as that
+    command prints it (a compact's tombstone records left out: they are the forgets' own)."""
+    if job == "add":
+        return manifest.additions[-1].model_dump(mode="json")
+    return manifest.compactions[-1].model_dump(mode="json", exclude={"forgotten"})
+
+
 def served_nprobe(manifest: Manifest) -> int | None:
     """IVF lists a search probes by default: the calibration's choice, else the build's."""
     calibration = manifest.calibration

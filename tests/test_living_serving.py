@@ -22,7 +22,7 @@ from test_living_datastores import document_keys, held_near, nearest
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
-from knnlm_core.datastore import read_manifest
+from knnlm_core.datastore import manifest_sha256, read_manifest
 from knnlm_serve.server.process import RunningServer
 
 pytestmark = pytest.mark.slow
@@ -242,19 +242,45 @@ def test_an_add_holds_the_datastore_from_its_answer_on_and_a_killed_one_leaves_n
     other process's writer or start-up sweep comes in before the child has started."""
     from index_builder.versions import being_written
 
-    folder = root / ".knnlm-added/flat"
+    folder, version = root / ".knnlm-added/flat", manifest_sha256(root / "flat")
     before = set(folder.glob("*")) if folder.exists() else set()
-    response = admin(server, "POST", "/datastores/flat/documents", texts=[{"text": FACT.replace("zebra", "ocelot"), "id": "killed"}])
+    long = " ".join(f"The ocelot counted stone {n} of the lighthouse wall." for n in range(20_000))  # seconds to encode
+    texts = [{"text": FACT.replace("zebra", "ocelot"), "id": "killed"}, {"text": long}]
+    response = admin(server, "POST", "/datastores/flat/documents", texts=texts)
     assert response.status_code == 202, response.text
     assert being_written(root / "flat")
     children = []
     until(lambda: children.extend(add_children(server)) or children, 60, "the add's child process never started")
+    children[0].suspend()
+    assert manifest_sha256(root / "flat") == version, "the child published before it was stopped: the test's text is too short"
     assert set(folder.glob("*")) - before  # its texts file was written
     children[0].kill()
     job = job_of(server, response)
     assert job["state"] == "failed"
     assert set(folder.glob("*")) == before and not (root / ".flat.partial").exists()
     assert not being_written(root / "flat")  # released with the job
+    assert manifest_sha256(root / "flat") == version
+
+
+def test_an_add_whose_child_fails_after_publishing_serves_its_version_and_keeps_its_texts(server, root):
+    """`recalibrate` runs after the add's version is published: with the build's corpus gone it
+    fails, and the documents stay added, served, and explained from the texts kept for them."""
+    text = "The harbour bell of Saltmarsh rings twice at dusk, once for the boats and once for the gulls."
+    before, corpus = listed(server, "flat"), root / "corpus"
+    corpus.rename(root / "corpus-away")
+    try:
+        job = job_of(server, admin(server, "POST", "/datastores/flat/documents", texts=[{"text": text, "id": "bell"}], recalibrate=True))
+    finally:
+        (root / "corpus-away").rename(corpus)
+    assert job["state"] == "failed"
+    assert "the documents were added, but recalibrating failed" in job["error"] and "is gone" in job["error"], job["error"]
+    assert f"its new version {job['version']} was written before that and serves" in job["error"], job["error"]
+    served = listed(server, "flat")
+    assert served["version"] == job["version"] == before["version"] + 1 and served["documents"] == before["documents"] + 1
+    (source,) = job["record"]["sources"]
+    assert (root / source).is_file() and not (root / ".flat.partial").exists()
+    document = requests.get(f"{server.base_url}/v1/knn/documents/flat/{job['record']['first_document']}", timeout=30).json()
+    assert (document["id"], document["text"]) == ("bell", text)
 
 
 def test_the_compact_route_serves_what_knnlm_index_compact_makes_under_sixteen_streaming_clients(server, root, ids):

@@ -11,7 +11,7 @@ the new version like any hot-swap: requests already running finish on the versio
 on. `paths` lie below `knn.datastore_root`; `texts` ({text, id?}) are kept as a .jsonl file below
 `<knn.datastore_root>/.knnlm-added/<name>/` (knnlm_core/added_texts.py), the source provenance
 names, written once the add holds the datastore (this server's job slot, and the writer lock that
-keeps out every other process) and removed if its child fails. A forget
+keeps out every other process) and removed if its child fails before publishing. A forget
 erases the document's record from that file; the user's own files (`paths`) are never touched.
 At start, `sweep_added_texts` removes what no serving version needs. One job runs per datastore
 at a time, across processes; another is refused with a 429.

@@ -6,11 +6,11 @@ its progress lines become the job's, and its result is loaded like any hot-swap.
 holds the datastore's writer lock from before the request is answered until the new version is
 loaded, and the child works under it: no other writer, and no start-up sweep of another server,
 comes in between. The child dies with that thread, so the lock never outlives the server while its
-child still writes. A job whose child
-fails (exits with an error, or is killed) runs its `on_failure`, which removes what it wrote (an
-add's texts file and work directory), so it leaves nothing behind. Once the child has exited
-well, its version is the datastore's directory: a load that fails then keeps every file that
-version names, and the job's error says how to serve it.
+child still writes. A job whose child fails (exits with an error, or is killed) before it
+publishes runs its `on_failure`, which removes what it wrote (an add's texts file and work
+directory), so it leaves nothing behind. Once a new version is the datastore's directory, every
+file it names is kept and it is loaded, even where the child failed after publishing; a load that
+fails then leaves it there, and the job's error says how to serve it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -30,7 +31,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from knnlm_core.datastore import manifest_sha256, read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_core.manifest import job_record
 from knnlm_serve import metrics
 from knnlm_serve.server.registry import DatastoreRegistry
 
@@ -146,25 +149,30 @@ def _run_child(
     command: list[str],
     on_failure: Callable[[], None],
 ) -> None:
-    """Run `command` (a knnlm-index job on the datastore at `path`, printing its audit record as
-    JSON) under this process's writer lock, then serve the new version; `on_failure` runs if the
-    child fails."""
-    from index_builder.versions import lock_held_for_child
+    """Run `command` (a knnlm-index job on the datastore at `path`) under this process's writer
+    lock, then serve the new version. Whether the child published one is read from the directory,
+    not from its exit: a child that fails after publishing (killed while it tidies up, or an add
+    whose recalibration fails) leaves a whole version, whose files are kept and which is served.
+    `on_failure` runs only if the child failed before publishing."""
+    from index_builder.versions import lock_held_for_child, workdir
 
-    started, published, parent = time.monotonic(), False, os.getpid()
+    started, published, parent, before = time.monotonic(), False, os.getpid(), manifest_sha256(path)
     try:
         child = subprocess.Popen(
             command,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             env={**os.environ, **lock_held_for_child(Path(path))},
             preexec_fn=lambda: _child_of_this_thread(parent),
         )
         errors = _follow(child, job)
-        if child.wait() != 0:
-            raise KnnlmError(errors or f"knnlm-index {job.kind} exited with status {child.returncode}")
-        published = True
-        job.record = json.loads(registry.public(child.stdout.read().decode()))  # its sources as clients may see them
+        status = child.wait()
+        failure = None if status == 0 else errors or f"knnlm-index {job.kind} exited with status {status}"
+        published = manifest_sha256(path) != before  # the writer lock is this job's: only the child writes there
+        if not published:
+            raise KnnlmError(failure or f"knnlm-index {job.kind} exited without writing a new version")
+        shutil.rmtree(workdir(Path(path)), ignore_errors=True)  # a child killed in publish leaves the old version there
+        job.record = json.loads(registry.public(json.dumps(job_record(read_manifest(path), job.kind))))  # sources as clients may see them
         job.progress = "loading the new version"
         if registry.serving(job.datastore).path != path:
             raise KnnlmError(f"datastore {job.datastore!r} was swapped to another directory meanwhile: the new version is not loaded")
@@ -177,7 +185,12 @@ def _run_child(
         error = f"{e}; the new version is in {path}, not serving: POST /v1/knn/datastores serves it" if published else str(e)
         jobs.end(job, started, registry.public(error))
         return
-    jobs.end(job, started)
+    if failure:
+        logger.warning(
+            "%s on datastore %r failed after publishing version %d, which serves: %s", job.kind, job.datastore, job.version, failure
+        )
+        failure = f"{failure}; its new version {job.version} was written before that and serves"
+    jobs.end(job, started, registry.public(failure) if failure else None)
 
 
 def _follow(child: subprocess.Popen, job: Job) -> str | None:
