@@ -244,7 +244,7 @@ def test_an_add_holds_the_datastore_from_its_answer_on_and_a_killed_one_leaves_n
 
     folder, version = root / ".knnlm-added/flat", manifest_sha256(root / "flat")
     before = set(folder.glob("*")) if folder.exists() else set()
-    long = " ".join(f"The ocelot counted stone {n} of the lighthouse wall." for n in range(20_000))  # seconds to encode
+    long = " ".join(f"The ocelot counted stone {n} of the lighthouse wall." for n in range(60_000))  # ~3 MB: tens of seconds to encode
     texts = [{"text": FACT.replace("zebra", "ocelot"), "id": "killed"}, {"text": long}]
     response = admin(server, "POST", "/datastores/flat/documents", texts=texts)
     assert response.status_code == 202, response.text
