@@ -295,10 +295,12 @@ def test_a_stopped_or_killed_replica_costs_no_fallback(stores, ray_session, grap
             took.append(time.monotonic() - start)
             assert result.failed_shards == {}, f"step {step} fell back"
             assert_same(result, expected)
-        # The first step that asks the stopped replica waits its half of the deadline, once; the
-        # other replica then answers within the rest (slack for a loaded 2-core CI machine, where
-        # half + 1.04 s was seen), short of the whole deadline.
-        assert max(took) < timeout / 2 + 2.0 and sorted(took)[-2] < 1.0, took
+        # The first step that asks the stopped replica waits its half of the deadline, once, and the
+        # other replica answers within the rest (no step fell back: a wait of the whole deadline
+        # would leave it no time); the stopped replica is then asked last. The slow step's bound is
+        # the deadline, with slack: a 2-core CI machine once stalled that step 5.5 s past its half.
+        slow = [t for t in took if t >= 1.0]
+        assert len(slow) == 1 and timeout / 2 - 0.05 <= slow[0] < timeout + 2.0, took
         ray_session.kill(actors[1][1], no_restart=False)
         for _ in range(4):
             assert_same(result := retriever.search(replicated, queries(), K, None), expected)
