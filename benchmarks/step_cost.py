@@ -2,8 +2,8 @@
 
 The per-step path (`KnnLogits`: `key_ready` mid-forward, then the logits call) is driven by a
 stand-in for the runner's step: `--rows` decoding requests with the datastore's defaults, its own
-keys as queries, SmolLM2-sized logits, and a pause between the two calls where the rest of the
-forward pass would run (`--tail-ms`; the search runs meanwhile). The shards are the datastore's
+keys as queries, logits as wide as its model's vocabulary, and a pause between the two calls where
+the rest of the forward pass would run (`--tail-ms`; the search runs meanwhile). The shards are the datastore's
 Ray actors (compiled graphs or plain calls) or in-process (`local`). The parts are the step's own
 clock (`knnlm_step_part_seconds`, engine/step_clock.py), recorded in prometheus_client's multiprocess
 mode as in the server; *fixed* is every part but the wait: what a host whose forward pass hides the
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_record import run_record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 49152  # SmolLM2's
+VOCAB = 49152  # SmolLM2's, for the stand-in LM head
 
 
 class Step:
@@ -126,7 +126,8 @@ def run(path: Path, transport: str, rows: int, steps: int, tail_s: float, tail: 
     shard = open_shards(path, manifest, use_gpu=False, names={info.shards[0]})[0]
     rng = np.random.default_rng(0)
     keys = torch.from_numpy(shard.reconstruct(rng.integers(0, shard.ntotal - shard.removed, size=4096)).astype(np.float32))
-    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    # as wide as the datastore's model's vocabulary: its values index these rows
+    logits = torch.randn(rows, manifest.model.vocab_size, generator=torch.Generator().manual_seed(0)) * 3
     step, capture = Step(rows), Capture()
     knn_logits = KnnLogits(runtime, capture, step)
 
