@@ -168,7 +168,8 @@ def _run_child(
         errors = _follow(child, job)
         status = child.wait()
         failure = None if status == 0 else errors or f"knnlm-index {job.kind} exited with status {status}"
-        published = manifest_sha256(path) != before  # the writer lock is this job's: only the child writes there
+        after = manifest_sha256(path)  # the writer lock is this job's: only the child writes there
+        published = after is not None and after != before
         if not published:
             raise KnnlmError(failure or f"knnlm-index {job.kind} exited without writing a new version")
         shutil.rmtree(workdir(Path(path)), ignore_errors=True)  # a child killed in publish leaves the old version there
