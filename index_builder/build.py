@@ -36,9 +36,19 @@ from knnlm_core.config import BuildCluster, BuildConfig, KeyType
 from knnlm_core.corpus import find_files, no_text_error
 from knnlm_core.datastore import file_entry, write_manifest
 from knnlm_core.errors import ConfigError, CorpusError, DatastoreError, ModelError
-from knnlm_core.heldout import MIN_HELDOUT_TOKENS, split_heldout
+from knnlm_core.heldout import MIN_HELDOUT_TOKENS, HeldOut, heldout_entries, split_heldout
 from knnlm_core.keys import KeyEncoder, model_shape
-from knnlm_core.manifest import MANIFEST, QUANTIZER, BuildStats, CorpusStats, IndexSpec, Manifest, ModelIdentity, ShardEntry
+from knnlm_core.manifest import (
+    MANIFEST,
+    QUANTIZER,
+    BuildStats,
+    CorpusStats,
+    HeldOutDocument,
+    IndexSpec,
+    Manifest,
+    ModelIdentity,
+    ShardEntry,
+)
 from knnlm_core.model_dir import check_model_dir, model_fingerprint
 from knnlm_core.provenance import PROVENANCE, DocumentTable
 from knnlm_core.windows import plan_windows, window_values
@@ -82,9 +92,6 @@ def build_datastore(
             tokens, offsets = np.load(work / "tokens.npy", mmap_mode="r"), np.load(work / "doc_offsets.npy")
             heldout = split_heldout(tokens, offsets) if config.calibrate else None
             table = DocumentTable.read(work / "corpus_documents.json")
-            if heldout is not None:
-                tokens, offsets = heldout.index_tokens, heldout.index_offsets
-                table = table.select(heldout.index_documents)
             plan = plan_windows(offsets, config.context_length, config.stride)
             if plan.entries == 0:
                 raise no_text_error(inputs, corpus.documents, corpus.skipped_files)
@@ -109,22 +116,30 @@ def build_datastore(
         )
         stats = {"context_length": config.context_length, "stride": config.stride, "encode_tokens_per_s": encode_rate}
         manifest = _manifest(work, model, factory, train_size, shards, plan.entries, dim, config.key_type, corpus, stats, started)
-        np.save(work / "documents.npy", document_starts(offsets))
+        starts = document_starts(offsets)
+        np.save(work / "documents.npy", starts)
         table.write(work / PROVENANCE)
-        passages = build_passages(
-            work, tokens, offsets, load_tokenizer(model_dir), (heldout.tokens, heldout.offsets) if heldout is not None else None
-        )
         manifest = manifest.model_copy(
             update={
                 "documents": file_entry(work, work / "documents.npy"),
                 "provenance": file_entry(work, work / PROVENANCE),
-                "passages": passages,
+                "passages": build_passages(work, tokens, offsets, load_tokenizer(model_dir), heldout),
+                "calibration_documents": heldout_documents(table, heldout) if heldout is not None else [],
             }
         )
         calibration_started = time.monotonic()
         if heldout is not None:
+            logger.info("calibrating on %s, which the datastore stores but the calibration's searches leave out", heldout.description)
             calibration = calibrate_on(
-                work, manifest, model_dir, heldout.tokens, heldout.offsets, f"build: {heldout.description}", config, progress
+                work,
+                manifest,
+                model_dir,
+                heldout.tokens,
+                heldout.offsets,
+                f"build: {heldout.description}",
+                config,
+                progress,
+                excluded=heldout_entries(starts, heldout.spans),
             )
             note = None
         else:
@@ -148,6 +163,13 @@ def build_datastore(
         )
         write_manifest(work, manifest.model_copy(update={"calibration": calibration, "calibration_note": note, "build": build}))
     return _publish(work, output, progress)
+
+
+def heldout_documents(table: DocumentTable, heldout: HeldOut) -> list[HeldOutDocument]:
+    """The manifest's record of the documents a build calibrated on (`table`: the whole corpus's)."""
+    return [
+        HeldOutDocument(document=d, source=table.describe(d)["source"], sha256=table.sha256[d], tokens=(a, b)) for d, a, b in heldout.spans
+    ]
 
 
 def build_from_keys(

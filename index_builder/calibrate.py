@@ -13,6 +13,7 @@ nprobe). The shards are never touched; the manifest is replaced atomically.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -34,11 +35,12 @@ from knnlm_core.config import BuildConfig, SweepGrid
 from knnlm_core.corpus import find_files, tokenize_files
 from knnlm_core.datastore import check_compatible, load_document_starts, read_manifest, write_manifest
 from knnlm_core.errors import CorpusError
-from knnlm_core.heldout import MIN_HELDOUT_TOKENS, split_heldout
+from knnlm_core.heldout import MIN_HELDOUT_TOKENS, heldout_entries, split_heldout
 from knnlm_core.keys import KeyEncoder, encode_windows
 from knnlm_core.manifest import Calibration, Manifest
 from knnlm_core.model_dir import model_fingerprint
 from knnlm_core.pointers import consecutive, shard_lookup
+from knnlm_core.provenance import DocumentTable, served_documents
 from knnlm_core.search import open_shards, search_many
 from knnlm_core.windows import plan_windows, window_values
 
@@ -54,7 +56,10 @@ def calibrate_on(
     heldout: str,
     config: BuildConfig,
     progress: bool,
+    excluded: Sequence[tuple[int, int]] = (),
 ) -> Calibration:
+    """The calibration fitted on (tokens, offsets), searching the datastore without the `excluded`
+    entry ranges (the held-out text's own entries, where the datastore stores it)."""
     plan = plan_windows(offsets, config.context_length, config.stride)
     encoder = KeyEncoder(model_dir, manifest.key_type, config.dtype)
     keys = np.empty((plan.entries, encoder.dim), dtype=np.float32)
@@ -65,7 +70,7 @@ def calibrate_on(
     )
     del encoder
     targets = window_values(tokens, plan)
-    searchers = open_shards(root, manifest)
+    searchers = open_shards(root, manifest, excluded=excluded)
     shards = [(s.index, s.values, s.keep, s.first_id) for s in searchers]
     grid = SweepGrid(skip_tolerance=config.skip_tolerance, k_tolerance=config.k_tolerance, ceiling_tolerance=config.ceiling_tolerance)
 
@@ -158,6 +163,16 @@ def build_heldout(root: Path, manifest: Manifest, model_dir: Path, config: Build
     return heldout.tokens, heldout.offsets, f"build: {heldout.description}"
 
 
+def stored_slice(root: Path, manifest: Manifest) -> list[tuple[int, int]]:
+    """The entry ranges of the held-out documents the datastore stores (found by their text's
+    sha256, which survives compactions; a forgotten one is gone)."""
+    if not manifest.calibration_documents:
+        return []
+    number = served_documents(DocumentTable.read(root / manifest.provenance.path), manifest)
+    spans = [(number[d.sha256], *d.tokens) for d in manifest.calibration_documents if d.sha256 in number]
+    return heldout_entries(load_document_starts(root, manifest), spans)
+
+
 @one_writer("datastore")
 def recalibrate(datastore: str | Path, texts: list[str | Path], model_dir: Path, config: BuildConfig, progress: bool = True) -> Manifest:
     """`knnlm-index calibrate`: calibrate an existing datastore on held-out text of the user's, or
@@ -173,9 +188,11 @@ def recalibrate(datastore: str | Path, texts: list[str | Path], model_dir: Path,
                 f"the calibration text ({', '.join(map(str, texts))}) has {len(tokens)} tokens; calibrating needs at least "
                 f"{MIN_HELDOUT_TOKENS} scored tokens of held-out text from the datastore's domain"
             )
+        excluded = []
     else:
         tokens, offsets, heldout = build_heldout(root, manifest, model_dir, config)
-    calibration = calibrate_on(root, manifest, model_dir, tokens, offsets, heldout, config, progress)
+        excluded = stored_slice(root, manifest)
+    calibration = calibrate_on(root, manifest, model_dir, tokens, offsets, heldout, config, progress, excluded)
     history = [*manifest.calibration_history, *([manifest.calibration] if manifest.calibration else [])]
     passages = manifest.passages
     if passages is not None:

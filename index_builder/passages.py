@@ -12,6 +12,7 @@ import numpy as np
 
 from index_builder.passage_gate import fit_gate
 from knnlm_core.datastore import file_entry
+from knnlm_core.heldout import HeldOut
 from knnlm_core.manifest import Manifest, PassageIndexEntry
 from knnlm_core.passages import PASSAGE_TOKENS, PASSAGES, PHRASE, PassageIndex, passage_spans, write_passages
 
@@ -23,11 +24,21 @@ def passage_rows(tokens: np.ndarray, offsets: np.ndarray, tokenizer, first_docum
         yield first_document + document, start, stop, text
 
 
-def build_passages(work: Path, tokens, offsets, tokenizer, heldout: tuple | None) -> PassageIndexEntry:
-    """The passage index of the documents in (tokens, offsets), and its gate fitted on `heldout`'s (tokens, offsets)."""
+def build_passages(work: Path, tokens, offsets, tokenizer, heldout: HeldOut | None) -> PassageIndexEntry:
+    """The passage index of the documents in (tokens, offsets), and its gate fitted on the `heldout`
+    slice against an index of the rest of the corpus (a passage index of its own, removed after)."""
+    gate = {"gate": None, "relevance": PHRASE}
+    if heldout is not None:
+        rest = work / f".gate-{PASSAGES}"
+        write_passages(rest, passage_rows(heldout.rest_tokens, heldout.rest_offsets, tokenizer))
+        index = PassageIndex(rest)
+        try:
+            gate = heldout_gate(index, heldout.tokens, heldout.offsets, tokenizer)
+        finally:
+            index.close()
+            rest.unlink()
     write_passages(work / PASSAGES, passage_rows(tokens, offsets, tokenizer))
     index = PassageIndex(work / PASSAGES)
-    gate = heldout_gate(index, *heldout, tokenizer) if heldout is not None else {"gate": None, "relevance": PHRASE}
     entry = PassageIndexEntry(file=file_entry(work, work / PASSAGES), tokens=PASSAGE_TOKENS, passages=len(index), **gate)
     index.close()
     return entry

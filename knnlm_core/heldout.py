@@ -1,4 +1,8 @@
-"""The held-out slice of a corpus that a build calibrates on, and the index never sees."""
+"""The held-out slice of a corpus that a build calibrates on.
+
+The datastore stores every document, the slice's too: a user who gives a corpus expects all of it
+to be searchable. Calibration keeps the slice's own entries out of its searches
+(`heldout_entries`), so the fit is still judged on text the search has not seen."""
 
 from __future__ import annotations
 
@@ -16,11 +20,11 @@ MIN_HELDOUT_TOKENS = 1024  # below this a fit is noise: the corpus is calibrated
 
 @dataclass(frozen=True)
 class HeldOut:
-    """A corpus split into what the index keeps and the slice held out to calibrate on."""
+    """A corpus split into the slice held out to calibrate on and the rest."""
 
-    index_tokens: np.ndarray
-    index_offsets: np.ndarray
-    index_documents: np.ndarray  # int64: which corpus document each of the index's documents is
+    rest_tokens: np.ndarray  # the corpus without the slice (the passage gate is fitted against it)
+    rest_offsets: np.ndarray
+    spans: tuple[tuple[int, int, int], ...]  # (corpus document, first token, end token) of each held-out piece
     tokens: np.ndarray
     offsets: np.ndarray
     description: str
@@ -32,7 +36,7 @@ def split_heldout(tokens: np.ndarray, doc_offsets: np.ndarray) -> HeldOut | None
     Whole documents, in the order of a hash of their tokens (stable whatever the file order), each
     taken only if it keeps the slice under 2T, until the slice reaches T. Where whole documents
     cannot give T/2 (one document, or a few large ones), the last T tokens of the longest
-    document instead. The index never sees the slice."""
+    document instead."""
     total = int(doc_offsets[-1])
     budget = min(MAX_HELDOUT_TOKENS, int(HELDOUT_SHARE * total))
     if budget < MIN_HELDOUT_TOKENS:
@@ -52,14 +56,21 @@ def split_heldout(tokens: np.ndarray, doc_offsets: np.ndarray) -> HeldOut | None
         for d in chosen:
             keep[starts[d] : ends[d]] = False
         description = f"{len(chosen)} whole document(s) of {len(starts)}, chosen by a hash of their tokens"
-        held_lengths = [int(ends[d] - starts[d]) for d in sorted(chosen)]
-        held = np.concatenate([tokens[starts[d] : ends[d]] for d in sorted(chosen)])
+        spans = tuple((d, 0, int(ends[d] - starts[d])) for d in sorted(chosen))
     else:
         longest = int(np.argmax(ends - starts))
         keep[ends[longest] - budget : ends[longest]] = False
         description = f"the last {budget} tokens of the longest document (of {len(starts)})"
-        held_lengths = [budget]
-        held = tokens[ends[longest] - budget : ends[longest]]
+        length = int(ends[longest] - starts[longest])
+        spans = ((longest, length - budget, length),)
+    held = np.concatenate([tokens[starts[d] + a : starts[d] + b] for d, a, b in spans])
     kept_lengths = np.array([int(keep[s:e].sum()) for s, e in zip(starts, ends)], dtype=np.int64)
-    kept = np.flatnonzero(kept_lengths > 0)
-    return HeldOut(tokens[keep], offsets_of(kept_lengths[kept].tolist()), kept, held, offsets_of(held_lengths), description)
+    rest = offsets_of(kept_lengths[kept_lengths > 0].tolist())
+    return HeldOut(tokens[keep], rest, spans, held, offsets_of([b - a for _, a, b in spans]), description)
+
+
+def heldout_entries(starts: np.ndarray, spans) -> list[tuple[int, int]]:
+    """The datastore entry ranges [first, end) whose values lie in the held-out `spans` (document,
+    first token, end token), for documents whose entries begin at `starts` (documents.npy): entry
+    starts[d] + p is document d's position p, whose value is its token p + 1."""
+    return [(int(starts[d]) + max(a - 1, 0), int(starts[d]) + b - 1) for d, a, b in spans if b - 1 > max(a - 1, 0)]

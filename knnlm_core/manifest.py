@@ -143,6 +143,16 @@ class Calibration(_Record):
     created: str
 
 
+class HeldOutDocument(_Record):
+    """A document (or its last tokens) that the build held out to calibrate on. It is stored and
+    served like every other; calibrating on the build's slice leaves its entries out of the search."""
+
+    document: int  # its number at build time
+    source: str
+    sha256: str  # of its text: how a later calibration finds it again after compactions
+    tokens: tuple[int, int]  # the held-out tokens [first, end) of the document
+
+
 class ForgetRecord(_Record):
     """An audit line of `knnlm-index forget`: which document, when, and which copies were erased;
     never its text. Its entries [first, end) are masked from every search and lookup; their codes
@@ -213,6 +223,7 @@ class Manifest(_Record):
     calibration: Calibration | None = None
     calibration_note: str | None = None  # why there is no calibration
     calibration_history: list[Calibration] = []  # earlier calibrations, oldest first
+    calibration_documents: list[HeldOutDocument] = []  # what the build held out to calibrate on (stored all the same)
     quantizer: FileEntry | None = None  # quantizer.faiss; None: built before it was kept (`add` empties a shard's copy)
     documents: FileEntry | None = None  # documents.npy; None: no document boundaries (no pointer following)
     provenance: FileEntry | None = None  # provenance.json; None: cannot explain its neighbours

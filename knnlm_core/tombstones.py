@@ -8,16 +8,19 @@ all a search needs: FAISS applies it inside the scan (an ID selector), the torch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from knnlm_core.manifest import Manifest
 
 
-def live_mask(manifest: Manifest, first_id: int, entries: int) -> np.ndarray | None:
-    """True for each live entry of the shard holding ids [first_id, first_id + entries); None when none is forgotten."""
+def live_mask(manifest: Manifest, first_id: int, entries: int, excluded: Sequence[tuple[int, int]] = ()) -> np.ndarray | None:
+    """True for each live entry of the shard holding ids [first_id, first_id + entries); None when
+    none is forgotten or in the `excluded` id ranges (the build's held-out slice, while calibrating)."""
     mask = None
-    for record in manifest.forgotten:
-        lo, hi = max(record.entries[0], first_id), min(record.entries[1], first_id + entries)
+    for first, end in [*(record.entries for record in manifest.forgotten), *excluded]:
+        lo, hi = max(first, first_id), min(end, first_id + entries)
         if lo < hi:
             mask = np.ones(entries, dtype=bool) if mask is None else mask
             mask[lo - first_id : hi - first_id] = False

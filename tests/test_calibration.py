@@ -4,11 +4,14 @@ to requests that name no knob; config overrides and request knobs still win; `ca
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 
 import numpy as np
 import pytest
@@ -45,8 +48,29 @@ def corpus(tmp_path_factory):
     return root
 
 
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
-def datastores(corpus, tiny_model_dir):
+def build_log():
+    """What `knnlm-index build` logs, at every level (a quiet build logs its last line at DEBUG)."""
+    logger, handler = logging.getLogger("index_builder"), _Lines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler.lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def datastores(corpus, tiny_model_dir, build_log):
     root = corpus / "datastores"
     build_datastore([corpus / "indexed"], root / "cal", tiny_model_dir, CONFIG, progress=False)
     shutil.copytree(root / "cal", root / "old")  # as built before calibration existed: no such sections
@@ -74,8 +98,36 @@ def test_the_build_holds_a_slice_out_and_stores_its_fit(datastores, corpus, tiny
     assert curve is not None and [p.k for p in curve.ks] == sorted(p.k for p in curve.ks) and cal.k in [p.k for p in curve.ks]
     best = min(p.tune_ppl for p in curve.ks)
     assert cal.k == min(p.k for p in curve.ks if p.tune_ppl <= best * (1 + curve.tolerance))
-    # The held-out documents are not in the index: it has fewer entries than the corpus has positions.
-    assert manifest.entries < manifest.corpus.tokens - manifest.corpus.documents
+    # Every document is stored, the held-out ones too: an entry for every position but each document's last.
+    assert manifest.entries == manifest.corpus.tokens - manifest.corpus.documents
+    held = manifest.calibration_documents
+    assert 0 < len(held) < len(INDEXED) == manifest.corpus.documents
+    assert {d.source for d in held} < {f"{name}.txt" for name in INDEXED} and all(d.tokens[0] == 0 for d in held)
+
+
+def test_a_build_stores_and_lists_every_document_it_was_given(datastores, build_log):
+    """The held-out slice is stored: the build's last log line, the manifest and the listing name
+    as many documents as the corpus holds, and a held-out document's own sentence finds its passage."""
+    from knnlm_core.passages import PassageIndex
+    from knnlm_core.provenance import Provenance
+
+    manifest = read_manifest(datastores / "cal")
+    provenance = Provenance.open(datastores / "cal", manifest)
+    assert provenance.documents == manifest.corpus.documents == len(INDEXED)
+    assert {provenance.table.describe(d)["source"] for d in range(provenance.documents)} == {f"{name}.txt" for name in INDEXED}
+    (last,) = [line for line in build_log if line.startswith(f"{datastores / 'cal'}: ")]
+    assert f", {len(INDEXED)} documents, " in last
+    path = datastores / "cal" / manifest.passages.file.path
+    with closing(sqlite3.connect(path)) as db:
+        first = {
+            d.document: db.execute("SELECT text FROM passages WHERE document = ? LIMIT 1", (d.document,)).fetchone()[0]
+            for d in manifest.calibration_documents
+        }
+    passages = PassageIndex(path)
+    try:
+        assert {d: passages.search(text, 1)[0].document for d, text in first.items()} == {d: d for d in first}
+    finally:
+        passages.close()
 
 
 def test_the_cheapest_k_within_the_tolerance_is_served():
@@ -165,7 +217,7 @@ def test_the_split_is_stable_and_small_corpora_are_calibrated_on_nothing():
     tokens = np.arange(40_000, dtype=np.int32) % 977
     offsets = np.array([0, 10_000, 20_000, 30_000, 40_000])
     a, b = split_heldout(tokens, offsets), split_heldout(tokens, offsets)
-    assert np.array_equal(a.tokens, b.tokens) and len(a.tokens) + len(a.index_tokens) == 40_000
+    assert np.array_equal(a.tokens, b.tokens) and len(a.tokens) + len(a.rest_tokens) == 40_000
     one_doc = split_heldout(tokens, np.array([0, 40_000]))
     assert "last 4000 tokens" in one_doc.description and np.array_equal(one_doc.tokens, tokens[-4000:])
     assert split_heldout(tokens[:5000], np.array([0, 5000])) is None
@@ -213,6 +265,7 @@ def prompt(corpus, tiny_model_dir):
 
 def listing(server) -> dict:
     response = requests.get(f"{server.base_url}/v1/knn/datastores", headers={"X-Admin-Token": TOKEN}, timeout=60)
+    assert response.status_code == 200, response.text
     return {d["name"]: d for d in response.json()["datastores"] if d["status"] == "serving"}
 
 

@@ -404,14 +404,24 @@ def test_provenance_gives_every_entry_its_document_and_the_documents_back(corpus
     assert "provenance: 4 documents from 2 source file(s)" in knnlm_index("inspect", str(tmp_path / "ds")).stderr
 
 
-def test_the_held_out_slice_says_which_documents_the_index_keeps():
-    from knnlm_core.heldout import split_heldout
+def test_the_held_out_slice_names_its_documents_and_their_entries():
+    from index_builder.corpus_keys import document_starts
+    from knnlm_core.heldout import heldout_entries, split_heldout
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(200, 2000, 40)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tokens = rng.integers(0, 1000, offsets[-1]).astype(np.int32)
     heldout = split_heldout(tokens, offsets)
-    assert 0 < len(heldout.index_documents) < len(lengths)
-    for kept, (start, end) in zip(heldout.index_documents, zip(heldout.index_offsets[:-1], heldout.index_offsets[1:])):
-        assert np.array_equal(heldout.index_tokens[start:end], tokens[offsets[kept] : offsets[kept] + (end - start)])
+    held = [d for d, a, b in heldout.spans]
+    assert 0 < len(held) < len(lengths) and all(a == 0 and b == lengths[d] for d, a, b in heldout.spans)  # whole documents
+    assert np.array_equal(heldout.tokens, np.concatenate([tokens[offsets[d] : offsets[d + 1]] for d in held]))
+    assert len(heldout.rest_tokens) + len(heldout.tokens) == len(tokens)
+    # Their entries in a datastore of the whole corpus: every position of theirs, no other document's.
+    starts = document_starts(offsets)
+    ranges = heldout_entries(starts, heldout.spans)
+    assert [(lo, hi) for lo, hi in ranges] == [(starts[d], starts[d + 1]) for d in held]
+    # One document: its last tokens are held out, and only the entries whose values are among them.
+    one = split_heldout(tokens[:20_000], np.array([0, 20_000]))
+    ((d, a, b),) = one.spans
+    assert (d, b - a) == (0, 2000) and heldout_entries(document_starts(np.array([0, 20_000])), one.spans) == [(a - 1, b - 1)]

@@ -7,6 +7,7 @@ scored against their candidates (`lookup`), the others searched (`search`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import faiss
@@ -191,11 +192,17 @@ def _untransformed(index, vectors: np.ndarray) -> np.ndarray:
 
 
 def open_shards(
-    root: Path, manifest: Manifest, use_gpu: bool | None = None, mmap: bool = False, names: set[str] | None = None
+    root: Path,
+    manifest: Manifest,
+    use_gpu: bool | None = None,
+    mmap: bool = False,
+    names: set[str] | None = None,
+    excluded: Sequence[tuple[int, int]] = (),
 ) -> list[ShardSearcher]:
-    """The datastore's shards (those in `names`, if given), each with its tombstones."""
+    """The datastore's shards (those in `names`, if given), each with its tombstones and the
+    `excluded` id ranges masked."""
     return [
-        ShardSearcher(root, shard, first, use_gpu, mmap, live_mask(manifest, first, shard.entries))
+        ShardSearcher(root, shard, first, use_gpu, mmap, live_mask(manifest, first, shard.entries, excluded))
         for shard, first in zip(manifest.shards, shard_first_ids(manifest))
         if names is None or shard.name in names
     ]
