@@ -17,6 +17,7 @@ class ErrorKind(str, Enum):
     FORBIDDEN = "forbidden"  # allowed by nobody in this configuration
     UNAVAILABLE = "unavailable"  # a dependency failed (a shard, the engine): retry later
     BUSY = "busy"  # at capacity for this kind of request: retry later
+    TOO_LARGE = "too_large"  # past a size limit or quota: send less, or delete something first
 
 
 class KnnlmError(Exception):

@@ -32,6 +32,15 @@ class DatastoreOverride(_Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class FilesConfig(_Strict):
+    """The OpenAI Files and Vector Stores API (docs/vector-stores.md): uploads below
+    `knn.datastore_root`, each vector store a datastore there, owned by the key that made it."""
+
+    max_file_bytes: int = Field(8 * 2**20, gt=0, description="largest upload, in bytes (a larger one is a 413)")
+    max_bytes_per_key: int = Field(256 * 2**20, gt=0, description="bytes of uploads one key (or, without keys, the server) may hold")
+    max_vector_stores_per_key: int = Field(100, gt=0, description="vector stores one key (or, without keys, the server) may hold")
+
+
 class KnnConfig(_Strict):
     """kNN-LM at serving time. Requests may override `enabled`, `lambda_`, `k`, `temperature`,
     `skip_threshold` and the datastore per request through `vllm_xargs` (knn, knn_lambda, knn_k,
@@ -91,6 +100,10 @@ class KnnConfig(_Strict):
         description="tenants: YAML file of API keys, each with the datastores it may use and its rights there "
         "(knnlm_core/keys_file.py, docs/serving.md#tenants); re-read when it changes. Unset: every client reaches "
         "every datastore (behind vLLM's --api-key, if given)",
+    )
+    files: FilesConfig = Field(
+        default_factory=FilesConfig,
+        description="the OpenAI Files and Vector Stores API, served where datastore_root is set (docs/vector-stores.md)",
     )
     ui: bool = Field(False, description="serve the kNN page at /knn/ui/ (docs/serving.md#the-knn-page); off: that path is a 404")
     audit_log: str | None = Field(

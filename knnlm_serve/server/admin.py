@@ -153,12 +153,16 @@ class KnnAdminPlugin:
         from knnlm_serve.server.admission import AdmissionMiddleware
         from knnlm_serve.server.document_admin import router as document_router
         from knnlm_serve.server.explain import router as explain_router
+        from knnlm_serve.server.files_api import router as files_router
         from knnlm_serve.server.http_errors import KnnHTTPError, knn_http_error_response
+        from knnlm_serve.server.vector_stores_api import router as vector_stores_router
 
         app.add_exception_handler(KnnHTTPError, knn_http_error_response)
         app.include_router(router)
         app.include_router(document_router)
         app.include_router(explain_router)
+        app.include_router(files_router)
+        app.include_router(vector_stores_router)
         app.add_middleware(AdmissionMiddleware)
         registry = published_registry()
         if registry is not None and registry.config.ui:
@@ -189,10 +193,18 @@ class KnnAdminPlugin:
         logger.info("kNN attached to %d worker(s): %s", len(attached), attached)
         from knnlm_serve.server.document_admin import document_jobs, sweep_added_texts
 
+        stores = None
+        if registry.config.datastore_root:  # the Files and Vector Stores API keeps its objects there
+            from knnlm_serve.server.vector_stores import VectorStores
+
+            stores = state.knnlm_vector_stores = VectorStores(registry, document_jobs(state), registry.config.files)
+            stores.load()
         try:
             sweep_added_texts(registry)
         except (OSError, KnnlmError) as e:  # the server serves without it; the next start sweeps again
             logger.warning("could not sweep the added texts below knn.datastore_root: %s", e)
+        if stores is not None:
+            stores.start()
         if registry.config.follow_changes_s:
             from knnlm_serve.server.disk_follower import DiskFollower
 

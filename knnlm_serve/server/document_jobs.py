@@ -49,7 +49,7 @@ _prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
 class Job:
     id: str
     datastore: str
-    kind: str  # add, forget, compact
+    kind: str  # add, forget, compact, build (a vector store's first documents)
     state: str = "running"  # running, done, failed
     progress: str = ""  # the last progress line of the child process
     error: str | None = None
@@ -105,12 +105,16 @@ def start_child_job(
     (which writes the job's inputs) has given the command; raises, with the job ended, where the
     lock is another process's (busy) or `prepare` fails."""
     ready: Future = Future()
-    threading.Thread(target=_run_locked, args=(jobs, job, registry, path, prepare, on_failure, ready), daemon=True).start()
+    threading.Thread(target=run_child_job, args=(jobs, job, registry, path, prepare, on_failure, ready), daemon=True).start()
     ready.result()
 
 
-def _run_locked(jobs, job, registry, path, prepare, on_failure, ready: Future) -> None:
+def run_child_job(jobs, job, registry, path, prepare, on_failure, ready: Future | None = None) -> None:
+    """The job, in this thread, to its end (`ready` is set once it holds the lock and `prepare`
+    has given the command; without it, a failure to start ends the job and is not raised)."""
     from index_builder.versions import busy_error, taken_writer_lock
+
+    ready = ready or Future()
 
     started, lock = time.monotonic(), None
     try:
@@ -173,11 +177,14 @@ def _run_child(
         if not published:
             raise KnnlmError(failure or f"knnlm-index {job.kind} exited without writing a new version")
         shutil.rmtree(workdir(Path(path)), ignore_errors=True)  # a child killed in publish leaves the old version there
-        job.record = json.loads(registry.public(json.dumps(job_record(read_manifest(path), job.kind))))  # sources as clients may see them
         job.progress = "loading the new version"
-        if registry.serving(job.datastore).path != path:
-            raise KnnlmError(f"datastore {job.datastore!r} was swapped to another directory meanwhile: the new version is not loaded")
-        job.version = registry.load(job.datastore, path, keep_actors=True).version
+        if job.kind == "build":  # a vector store's first documents: a datastore that serves from now on
+            job.version = registry.load(job.datastore, path).version
+        else:
+            job.record = json.loads(registry.public(json.dumps(job_record(read_manifest(path), job.kind))))  # sources as clients see them
+            if registry.serving(job.datastore).path != path:
+                raise KnnlmError(f"datastore {job.datastore!r} was swapped to another directory meanwhile: the new version is not loaded")
+            job.version = registry.load(job.datastore, path, keep_actors=True).version
         job.progress = "serving"
     except Exception as e:  # noqa: BLE001 - a job reports its failure; the serving version is untouched
         logger.warning("%s on datastore %r failed: %s", job.kind, job.datastore, e)

@@ -19,6 +19,7 @@ STATUS = {
     ErrorKind.FORBIDDEN: 403,
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.BUSY: 429,
+    ErrorKind.TOO_LARGE: 413,
 }
 
 

@@ -51,6 +51,8 @@ class TenantMiddleware:
             message = f"this key is past its {limit.replace('_', ' ')} (knn.keys_file); retry after the Retry-After header's seconds"
             headers = {"Retry-After": retry_after(wait)}
             return await self._refuse(scope, receive, send, record, key.id, 429, message, "rate_limit_exceeded", headers)
+        if (stores := getattr(scope["app"].state, "knnlm_vector_stores", None)) is not None:
+            key = stores.granting(key)  # the vector stores it made are its datastores too
         scope[TENANT_KEY], scope[AUDIT_KEY] = key, record
         done = []
         try:

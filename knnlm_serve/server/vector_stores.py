@@ -1,0 +1,366 @@
+"""Vector stores (OpenAI's Vector Stores API), each a kNN datastore owned by the key that made it.
+
+A store lives in `<knn.datastore_root>/.knnlm-vector-stores/<id>/`: its record (`store.json`)
+and, once a file is in it, its datastore (`datastore/`), served under the store's id as its
+name, so `knn_datastore: "vs_..."` works wherever a datastore is named. Attaching a file turns
+it into documents (knnlm_serve/server/uploads.py), writes them as the server's copy
+`.knnlm-added/<store>/<file>.jsonl` and runs `knnlm-index build` (the first file) or `add` in
+a child process, one file at a time, on one worker thread; the file's status is `in_progress`
+until then. Detaching forgets its documents with erase (the server's copy goes with them); the
+last file's detach, or the store's deletion, removes the datastore. Another key is answered as
+for an id that does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import secrets
+import shutil
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from knnlm_core.added_texts import ADDED_TEXTS
+from knnlm_core.config.serve import FilesConfig
+from knnlm_core.datastore import read_manifest
+from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_core.files import write_json_atomic, write_text_atomic
+from knnlm_core.manifest import MANIFEST
+from knnlm_core.provenance import DocumentTable
+from knnlm_serve.server.document_jobs import DocumentJobs, run_child_job
+from knnlm_serve.server.file_store import FileStore, StoredFile, expired
+from knnlm_serve.server.registry import DatastoreRegistry
+from knnlm_serve.server.uploads import UploadError, documents_of
+
+logger = logging.getLogger(__name__)
+
+VECTOR_STORES = ".knnlm-vector-stores"
+DAY = 86400
+
+
+@dataclass
+class StoreFile:
+    id: str  # the file's own id, as OpenAI's client expects
+    created_at: int
+    attributes: dict = field(default_factory=dict)
+    chunking_strategy: dict = field(default_factory=lambda: {"type": "auto"})
+    status: str = "in_progress"  # in_progress, completed, failed, cancelled
+    last_error: dict | None = None  # {code: unsupported_file | invalid_file | server_error, message}
+    usage_bytes: int = 0
+
+    def public(self, store_id: str) -> dict:
+        return {**asdict(self), "object": "vector_store.file", "vector_store_id": store_id}
+
+
+@dataclass
+class VectorStore:
+    id: str
+    owner: str | None
+    name: str | None
+    created_at: int
+    last_active_at: int
+    metadata: dict = field(default_factory=dict)
+    expires_after: dict | None = None  # {anchor: last_active_at, days}
+    files: dict[str, StoreFile] = field(default_factory=dict)
+    batches: dict[str, dict] = field(default_factory=dict)  # batch id -> {file_ids, created_at}
+
+    @property
+    def expires_at(self) -> int | None:
+        return None if self.expires_after is None else self.last_active_at + DAY * self.expires_after["days"]
+
+    def counts(self, ids=None) -> dict:
+        chosen = [self.files[i] for i in (self.files if ids is None else ids) if i in self.files]
+        counts = {s: sum(f.status == s for f in chosen) for s in ("in_progress", "completed", "failed", "cancelled")}
+        return {**counts, "total": len(chosen)}
+
+    def public(self) -> dict:
+        counts = self.counts()
+        return {
+            "id": self.id,
+            "object": "vector_store",
+            "created_at": self.created_at,
+            "name": self.name,
+            "usage_bytes": sum(f.usage_bytes for f in self.files.values()),
+            "file_counts": counts,
+            "status": "expired" if expired(self.expires_at) else "in_progress" if counts["in_progress"] else "completed",
+            "expires_after": self.expires_after,
+            "expires_at": self.expires_at,
+            "last_active_at": self.last_active_at,
+            "metadata": self.metadata,
+        }
+
+
+def unknown_store(store_id: str) -> KnnlmError:
+    """The answer for a vector store id that does not exist, or is another key's."""
+    return KnnlmError(f"No vector store found with id {store_id!r}.", ErrorKind.NOT_FOUND, "vector_store_id")
+
+
+class VectorStores:
+    """A server's vector stores; safe to share between threads."""
+
+    def __init__(self, registry: DatastoreRegistry, jobs: DocumentJobs, limits: FilesConfig):
+        self.root = Path(registry.config.datastore_root).expanduser().resolve()
+        self.folder = self.root / VECTOR_STORES
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.registry, self.jobs, self.files, self.limits = registry, jobs, FileStore(self.root, limits), limits
+        self._lock = threading.RLock()  # the records
+        self._writing: dict[str, threading.Lock] = {}  # per store: its datastore's versions
+        self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
+        self.stores: dict[str, VectorStore] = {}
+        for record in sorted(self.folder.glob("*/store.json")):
+            store = VectorStore(**json.loads(record.read_text()))
+            store.files = {i: StoreFile(**f) for i, f in store.files.items()}
+            self.stores[store.id] = store
+
+    def load(self) -> None:
+        """Serve the stores' datastores (before the added texts are swept: theirs are named by them)."""
+        for store in self.stores.values():
+            if (self.datastore(store.id) / MANIFEST).exists():
+                try:
+                    self.registry.load(store.id, self.datastore(store.id))
+                except KnnlmError as e:
+                    logger.warning("vector store %s: its datastore does not load: %s", store.id, e)
+
+    def start(self) -> None:
+        """Attach what a stop left in progress, and start the worker."""
+        for store in self.stores.values():
+            for entry in store.files.values():
+                if entry.status == "in_progress":
+                    self._queue.put((store.id, entry.id))
+        threading.Thread(target=self._work, name="knnlm-vector-stores", daemon=True).start()
+
+    def datastore(self, store_id: str) -> Path:
+        return self.folder / store_id / "datastore"
+
+    def texts(self, store_id: str) -> Path:
+        return self.root / ADDED_TEXTS / store_id
+
+    # --- records -------------------------------------------------------------------------------
+
+    def create(self, owner: str | None, name: str | None, metadata: dict, expires_after: dict | None) -> VectorStore:
+        with self._lock:
+            if sum(s.owner == owner for s in self.stores.values()) >= self.limits.max_vector_stores_per_key:
+                raise KnnlmError(
+                    f"this key holds {self.limits.max_vector_stores_per_key} vector stores, the most knn.files.max_vector_stores_per_key "
+                    "allows: delete one first",
+                    ErrorKind.TOO_LARGE,
+                )
+            now = int(time.time())
+            store = VectorStore(f"vs_{secrets.token_hex(12)}", owner, name, now, now, metadata, expires_after)
+            self.stores[store.id] = store
+            self._save(store)
+            return store
+
+    def granting(self, key):
+        """The tenant's key with its own serving vector stores granted, every right on each."""
+        mine = {s.id: ["generate", "explain", "documents"] for s in self.stores.values() if s.owner == key.id}
+        served = self.registry.runtime.datastores
+        return key.model_copy(update={"datastores": {**key.datastores, **{n: r for n, r in mine.items() if n in served}}})
+
+    def get(self, owner: str | None, store_id: str) -> VectorStore:
+        store = self.stores.get(store_id)
+        if store is None or store.owner != owner:
+            raise unknown_store(store_id)
+        return store
+
+    def owned(self, owner: str | None) -> list[VectorStore]:
+        return sorted((s for s in self.stores.values() if s.owner == owner), key=lambda s: (s.created_at, s.id))
+
+    def modify(self, store: VectorStore, update: dict) -> VectorStore:
+        with self._lock:
+            for key, value in update.items():
+                setattr(store, key, value)
+            store.last_active_at = int(time.time())
+            self._save(store)
+        return store
+
+    def attach(self, store: VectorStore, stored: StoredFile, attributes: dict, chunking: dict) -> StoreFile:
+        """The file, queued to become the store's documents (as it is where it is in the store already)."""
+        with self._lock:
+            if stored.id in store.files:
+                return store.files[stored.id]
+            entry = StoreFile(stored.id, int(time.time()), attributes, chunking)
+            store.files[entry.id] = entry
+            store.last_active_at = entry.created_at
+            self._save(store)
+        self._queue.put((store.id, entry.id))
+        return entry
+
+    def batch(self, store: VectorStore, files: list[tuple[StoredFile, dict]], chunking: dict) -> str:
+        """A batch of (file, its attributes), each attached."""
+        batch = f"vsfb_{secrets.token_hex(12)}"
+        with self._lock:
+            store.batches[batch] = {"file_ids": [f.id for f, _ in files], "created_at": int(time.time())}
+            self._save(store)
+        for stored, attributes in files:
+            self.attach(store, stored, attributes, chunking)
+        return batch
+
+    def detach(self, store: VectorStore, file_id: str) -> None:
+        """Forget the file's documents with erase (the datastore itself where nothing else is in it).
+        Waits for the store's running build or add, if any."""
+        with self._writing_lock(store.id):
+            with self._lock:
+                entry = store.files.pop(file_id, None)
+                if entry is None:
+                    raise KnnlmError(f"No file found with id {file_id!r} in vector store {store.id!r}.", ErrorKind.NOT_FOUND, "file_id")
+                self._save(store)
+            if entry.status == "completed":
+                self._forget(store, f"{file_id}.jsonl")
+            (self.texts(store.id) / f"{file_id}.jsonl").unlink(missing_ok=True)
+
+    def delete(self, store: VectorStore) -> None:
+        with self._writing_lock(store.id):
+            with self._lock:
+                self.stores.pop(store.id, None)
+            self._drop_datastore(store.id)
+            shutil.rmtree(self.folder / store.id, ignore_errors=True)
+
+    def search(self, store: VectorStore, query: str, count: int) -> list[dict]:
+        """The store's `count` passages that best match `query`, as OpenAI's search results (no gate:
+        the caller asked this store)."""
+        from knnlm_serve.server.context import passage_index
+
+        if store.id not in self.registry.runtime.datastores:
+            return []
+        info = self.registry.serving(store.id)
+        if info.passages is None:
+            return []
+        entry = info.passages
+        found = passage_index(str(Path(info.path) / entry.file.path), entry.file.sha256).search(query, count, entry.relevance)
+        table = DocumentTable.read(Path(info.path) / read_manifest(info.path).provenance.path)
+        results = []
+        for passage in found:
+            file_id = Path(table.sources[table.source[passage.document]]).stem
+            attached, stored = store.files.get(file_id), self.files.by_id(file_id)
+            if attached is not None and stored is not None:
+                content = [{"type": "text", "text": passage.text}]
+                results.append(
+                    {
+                        "file_id": file_id,
+                        "filename": stored.filename,
+                        "score": passage.relevance,
+                        "attributes": attached.attributes,
+                        "content": content,
+                    }
+                )
+        return results
+
+    def delete_file(self, owner: str | None, stored: StoredFile) -> None:
+        """Detach the file from every store of its owner, then delete it."""
+        for store in self.owned(owner):
+            if stored.id in store.files:
+                self.detach(store, stored.id)
+        self.files.delete(stored)
+
+    def expire(self) -> None:
+        """Delete the stores and files whose `expires_after` has passed."""
+        for store in [s for s in list(self.stores.values()) if expired(s.expires_at)]:
+            self.delete(store)
+        for stored in self.files.expired_files():
+            self.delete_file(stored.owner, stored)
+
+    # --- the worker ----------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            try:
+                store_id, file_id = self._queue.get(timeout=60)
+            except queue.Empty:
+                self._safely(self.expire)
+                continue
+            self._safely(self._index, store_id, file_id)
+
+    def _safely(self, step, *args) -> None:
+        try:
+            step(*args)
+        except Exception:  # noqa: BLE001 - the worker outlives one file's failure
+            logger.exception("vector stores: a step failed")
+
+    def _index(self, store_id: str, file_id: str) -> None:
+        with self._writing_lock(store_id):
+            store = self.stores.get(store_id)
+            entry = store.files.get(file_id) if store is not None else None
+            stored = self.files.by_id(file_id)
+            if entry is None or entry.status != "in_progress":  # detached, or its store deleted, meanwhile
+                return
+            if stored is None:
+                return self._finish(store, entry, "server_error", f"file {file_id} was deleted before it was indexed")
+            try:
+                documents = documents_of(self.files.content(stored), stored.filename)
+            except UploadError as e:
+                return self._finish(store, entry, e.code, str(e))
+            texts = self.texts(store_id) / f"{file_id}.jsonl"
+            texts.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(texts, "".join(json.dumps({"id": doc_id or file_id, "text": text}) + "\n" for doc_id, text in documents))
+            path = self.datastore(store_id)
+            kind = "add" if (path / MANIFEST).exists() else "build"
+            model = str(self.registry.model.path)
+            command = [
+                sys.executable,
+                "-m",
+                "index_builder.cli",
+                kind,
+                *([str(path), str(texts)] if kind == "add" else [str(texts), "-o", str(path)]),
+            ]
+            try:
+                job = self.jobs.begin(store_id, kind)
+            except KnnlmError as e:
+                texts.unlink(missing_ok=True)
+                return self._finish(store, entry, "server_error", str(e))
+            run_child_job(
+                self.jobs, job, self.registry, str(path), lambda: [*command, "--model", model, "--quiet"], lambda: _discard(texts, path)
+            )
+            if job.state == "failed":
+                return self._finish(store, entry, "server_error", job.error)
+            self._finish(store, entry, None, None, usage=sum(len(t.encode()) for _, t in documents))
+
+    def _finish(self, store: VectorStore, entry: StoreFile, code: str | None, message: str | None, usage: int = 0) -> None:
+        with self._lock:
+            entry.status = "failed" if code else "completed"
+            entry.last_error = {"code": code, "message": self.registry.public(message)} if code else None
+            entry.usage_bytes = usage
+            if code:
+                logger.info("vector store %s: file %s failed (%s): %s", store.id, entry.id, code, message)
+            if store.id in self.stores:
+                self._save(store)
+
+    # --- datastore versions --------------------------------------------------------------------
+
+    def _forget(self, store: VectorStore, source: str) -> None:
+        from index_builder.forget import forget_documents
+
+        path = self.datastore(store.id)
+        manifest = read_manifest(path)
+        table = DocumentTable.read(path / manifest.provenance.path)
+        forgotten = {r.document for r in manifest.forgotten}
+        if all(table.sources[table.source[d]] == source for d in range(len(table)) if d not in forgotten):
+            return self._drop_datastore(store.id)
+        forget_documents(path, sources=[source], erase=True)
+        self.registry.load(store.id, path, keep_actors=True)
+
+    def _drop_datastore(self, store_id: str) -> None:
+        if store_id in self.registry.runtime.datastores:
+            self.registry.unload(store_id)
+        shutil.rmtree(self.datastore(store_id), ignore_errors=True)
+        shutil.rmtree(self.texts(store_id), ignore_errors=True)
+
+    def _writing_lock(self, store_id: str) -> threading.Lock:
+        with self._lock:
+            return self._writing.setdefault(store_id, threading.Lock())
+
+    def _save(self, store: VectorStore) -> None:
+        (self.folder / store.id).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.folder / store.id / "store.json", asdict(store))
+
+
+def _discard(texts: Path, path: Path) -> None:
+    """What a failed build or add of a store's file left: its texts, and the work directory."""
+    from index_builder.versions import workdir
+
+    texts.unlink(missing_ok=True)
+    shutil.rmtree(workdir(path), ignore_errors=True)
