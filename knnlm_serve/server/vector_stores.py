@@ -21,7 +21,7 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from knnlm_core.added_texts import ADDED_TEXTS
@@ -35,68 +35,11 @@ from knnlm_serve.server.document_jobs import DocumentJobs, run_child_job
 from knnlm_serve.server.file_store import FileStore, StoredFile, expired
 from knnlm_serve.server.registry import DatastoreRegistry
 from knnlm_serve.server.uploads import UploadError, documents_of
+from knnlm_serve.server.vector_store_records import StoreFile, VectorStore, unknown_store
 
 logger = logging.getLogger(__name__)
 
 VECTOR_STORES = ".knnlm-vector-stores"
-DAY = 86400
-
-
-@dataclass
-class StoreFile:
-    id: str  # the file's own id, as OpenAI's client expects
-    created_at: int
-    attributes: dict = field(default_factory=dict)
-    chunking_strategy: dict = field(default_factory=lambda: {"type": "auto"})
-    status: str = "in_progress"  # in_progress, completed, failed, cancelled
-    last_error: dict | None = None  # {code: unsupported_file | invalid_file | server_error, message}
-    usage_bytes: int = 0
-
-    def public(self, store_id: str) -> dict:
-        return {**asdict(self), "object": "vector_store.file", "vector_store_id": store_id}
-
-
-@dataclass
-class VectorStore:
-    id: str
-    owner: str | None
-    name: str | None
-    created_at: int
-    last_active_at: int
-    metadata: dict = field(default_factory=dict)
-    expires_after: dict | None = None  # {anchor: last_active_at, days}
-    files: dict[str, StoreFile] = field(default_factory=dict)
-    batches: dict[str, dict] = field(default_factory=dict)  # batch id -> {file_ids, created_at}
-
-    @property
-    def expires_at(self) -> int | None:
-        return None if self.expires_after is None else self.last_active_at + DAY * self.expires_after["days"]
-
-    def counts(self, ids=None) -> dict:
-        chosen = [self.files[i] for i in (self.files if ids is None else ids) if i in self.files]
-        counts = {s: sum(f.status == s for f in chosen) for s in ("in_progress", "completed", "failed", "cancelled")}
-        return {**counts, "total": len(chosen)}
-
-    def public(self) -> dict:
-        counts = self.counts()
-        return {
-            "id": self.id,
-            "object": "vector_store",
-            "created_at": self.created_at,
-            "name": self.name,
-            "usage_bytes": sum(f.usage_bytes for f in self.files.values()),
-            "file_counts": counts,
-            "status": "expired" if expired(self.expires_at) else "in_progress" if counts["in_progress"] else "completed",
-            "expires_after": self.expires_after,
-            "expires_at": self.expires_at,
-            "last_active_at": self.last_active_at,
-            "metadata": self.metadata,
-        }
-
-
-def unknown_store(store_id: str) -> KnnlmError:
-    """The answer for a vector store id that does not exist, or is another key's."""
-    return KnnlmError(f"No vector store found with id {store_id!r}.", ErrorKind.NOT_FOUND, "vector_store_id")
 
 
 class VectorStores:
@@ -219,36 +162,6 @@ class VectorStores:
                 self.stores.pop(store.id, None)
             self._drop_datastore(store.id)
             shutil.rmtree(self.folder / store.id, ignore_errors=True)
-
-    def search(self, store: VectorStore, query: str, count: int) -> list[dict]:
-        """The store's `count` passages that best match `query`, as OpenAI's search results (no gate:
-        the caller asked this store)."""
-        from knnlm_serve.server.context import passage_index
-
-        if store.id not in self.registry.runtime.datastores:
-            return []
-        info = self.registry.serving(store.id)
-        if info.passages is None:
-            return []
-        entry = info.passages
-        found = passage_index(str(Path(info.path) / entry.file.path), entry.file.sha256).search(query, count, entry.relevance)
-        table = DocumentTable.read(Path(info.path) / read_manifest(info.path).provenance.path)
-        results = []
-        for passage in found:
-            file_id = Path(table.sources[table.source[passage.document]]).stem
-            attached, stored = store.files.get(file_id), self.files.by_id(file_id)
-            if attached is not None and stored is not None:
-                content = [{"type": "text", "text": passage.text}]
-                results.append(
-                    {
-                        "file_id": file_id,
-                        "filename": stored.filename,
-                        "score": passage.relevance,
-                        "attributes": attached.attributes,
-                        "content": content,
-                    }
-                )
-        return results
 
     def delete_file(self, owner: str | None, stored: StoredFile) -> None:
         """Detach the file from every store of its owner, then delete it."""

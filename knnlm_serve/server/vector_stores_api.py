@@ -17,6 +17,7 @@ from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve.server.admin_access import parse_body
 from knnlm_serve.server.files_api import LIMIT, ORDER, failing, owner_of, page, services
 from knnlm_serve.server.http_errors import KnnRoute
+from knnlm_serve.server.vector_store_search import search_store
 
 router = APIRouter(prefix="/v1/vector_stores", tags=["vector stores"], route_class=KnnRoute)
 POLL_AFTER, POLL_AFTER_MS = "openai-poll-after-ms", "250"  # OpenAI's client polls a file or batch this often
@@ -234,5 +235,5 @@ async def search(store_id: str, request: Request, raw: dict | None = Body(None))
     stores, store = _store(request, store_id)
     body = _call(request, parse_body, Search, raw)
     query = body.query if isinstance(body.query, str) else " ".join(body.query)
-    results = await run_in_threadpool(stores.search, store, query, body.max_num_results)
+    results = await run_in_threadpool(search_store, stores, store, query, body.max_num_results)
     return {"object": "vector_store.search_results.page", "search_query": [query], "data": results, "has_more": False, "next_page": None}
