@@ -40,6 +40,7 @@ from knnlm_serve.server.vector_store_records import StoreFile, VectorStore, unkn
 logger = logging.getLogger(__name__)
 
 VECTOR_STORES = ".knnlm-vector-stores"
+EXPIRY_CHECK_S = 60.0  # how often expired stores and files are deleted
 
 
 class VectorStores:
@@ -180,13 +181,17 @@ class VectorStores:
     # --- the worker ----------------------------------------------------------------------------
 
     def _work(self) -> None:
+        next_expiry = 0.0
         while True:
             try:
-                store_id, file_id = self._queue.get(timeout=60)
+                item = self._queue.get(timeout=EXPIRY_CHECK_S)
             except queue.Empty:
+                item = None
+            if time.monotonic() >= next_expiry:
                 self._safely(self.expire)
-                continue
-            self._safely(self._index, store_id, file_id)
+                next_expiry = time.monotonic() + EXPIRY_CHECK_S
+            if item is not None:
+                self._safely(self._index, *item)
 
     def _safely(self, step, *args) -> None:
         try:
