@@ -98,17 +98,18 @@ def evaluate(name: str, tokenizer, work: Path) -> dict:
     ids = [token_ids(tokenizer, stored[n]) for n in names]
     tokens, offsets = np.concatenate(ids), doc_offsets([len(i) for i in ids])
     held = split_heldout(tokens, offsets)
-    path = work / f"{name}.sqlite"
-    write_passages(path, passage_rows(held.rest_tokens, held.rest_offsets, tokenizer))
-    index = PassageIndex(path)
-    started = time.perf_counter()
-    fit = heldout_gate(index, held.tokens, held.offsets, tokenizer)
-    fit_seconds = time.perf_counter() - started
-    gates = {PHRASE: fit["gate"], BM25_PER_WORD: chance_gate(index, tokenizer.decode(held.tokens))}
     rest = [d for d in range(len(names)) if d not in {d for d, *_ in held.spans}]  # whole documents held out: the store's rest
+    rest_tokens, rest_offsets = np.concatenate([ids[d] for d in rest]), doc_offsets([len(ids[d]) for d in rest])
+    path = work / f"{name}.sqlite"
+    write_passages(path, passage_rows(rest_tokens, rest_offsets, tokenizer))
+    started = time.perf_counter()
+    fit = heldout_gate(path, held.tokens, held.offsets, tokenizer)
+    fit_seconds = time.perf_counter() - started
+    index = PassageIndex(path)
+    gates = {PHRASE: fit["gate"], BM25_PER_WORD: chance_gate(index, tokenizer.decode(held.tokens))}
     position = {names[d]: i for i, d in enumerate(rest)}
     heldout_names = [n for n in names if n not in position]
-    rows = list(passage_rows(held.rest_tokens, held.rest_offsets, tokenizer))
+    rows = list(passage_rows(rest_tokens, rest_offsets, tokenizer))
     held_words = " | ".join(" ".join(words(text)) for *_, text in rows)
     unheld = [
         (n, d) for texts in (control, {n: stored[n] for n in heldout_names}) for n, t in texts.items() for d in definitions(Path(n), t)

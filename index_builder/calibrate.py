@@ -163,14 +163,14 @@ def build_heldout(root: Path, manifest: Manifest, model_dir: Path, config: Build
     return heldout.tokens, heldout.offsets, f"build: {heldout.description}"
 
 
-def stored_slice(root: Path, manifest: Manifest) -> list[tuple[int, int]]:
-    """The entry ranges of the held-out documents the datastore stores (found by their text's
-    sha256, which survives compactions; a forgotten one is gone)."""
+def stored_slice(root: Path, manifest: Manifest) -> list[tuple[int, int, int]]:
+    """The (document, first token, end token) spans of the held-out text the datastore stores, in
+    its numbering now (found by the text's sha256, which survives compactions; a forgotten
+    document is gone)."""
     if not manifest.calibration_documents:
         return []
     number = served_documents(DocumentTable.read(root / manifest.provenance.path), manifest)
-    spans = [(number[d.sha256], *d.tokens) for d in manifest.calibration_documents if d.sha256 in number]
-    return heldout_entries(load_document_starts(root, manifest), spans)
+    return [(number[d.sha256], *d.tokens) for d in manifest.calibration_documents if d.sha256 in number]
 
 
 @one_writer("datastore")
@@ -188,17 +188,18 @@ def recalibrate(datastore: str | Path, texts: list[str | Path], model_dir: Path,
                 f"the calibration text ({', '.join(map(str, texts))}) has {len(tokens)} tokens; calibrating needs at least "
                 f"{MIN_HELDOUT_TOKENS} scored tokens of held-out text from the datastore's domain"
             )
-        excluded = []
+        spans = []
     else:
         tokens, offsets, heldout = build_heldout(root, manifest, model_dir, config)
-        excluded = stored_slice(root, manifest)
+        spans = stored_slice(root, manifest)
+    excluded = heldout_entries(load_document_starts(root, manifest), spans) if spans else []
     calibration = calibrate_on(root, manifest, model_dir, tokens, offsets, heldout, config, progress, excluded)
     history = [*manifest.calibration_history, *([manifest.calibration] if manifest.calibration else [])]
     passages = manifest.passages
     if passages is not None:
         from transformers import AutoTokenizer
 
-        passages = refitted_gate(root, passages, tokens, offsets, AutoTokenizer.from_pretrained(model_dir))
+        passages = refitted_gate(root, passages, tokens, offsets, AutoTokenizer.from_pretrained(model_dir), spans)
     updated = manifest.model_copy(
         update={"calibration": calibration, "calibration_note": None, "calibration_history": history, "passages": passages}
     )

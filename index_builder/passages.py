@@ -25,38 +25,39 @@ def passage_rows(tokens: np.ndarray, offsets: np.ndarray, tokenizer, first_docum
 
 
 def build_passages(work: Path, tokens, offsets, tokenizer, heldout: HeldOut | None) -> PassageIndexEntry:
-    """The passage index of the documents in (tokens, offsets), and its gate fitted on the `heldout`
-    slice against an index of the rest of the corpus (a passage index of its own, removed after)."""
+    """The passage index of the documents in (tokens, offsets), and its gate fitted on the `heldout` slice."""
+    write_passages(work / PASSAGES, passage_rows(tokens, offsets, tokenizer))
     gate = {"gate": None, "relevance": PHRASE}
     if heldout is not None:
-        rest = work / f".gate-{PASSAGES}"
-        write_passages(rest, passage_rows(heldout.rest_tokens, heldout.rest_offsets, tokenizer))
-        index = PassageIndex(rest)
-        try:
-            gate = heldout_gate(index, heldout.tokens, heldout.offsets, tokenizer)
-        finally:
-            index.close()
-            rest.unlink()
-    write_passages(work / PASSAGES, passage_rows(tokens, offsets, tokenizer))
+        gate = heldout_gate(work / PASSAGES, heldout.tokens, heldout.offsets, tokenizer, heldout.spans)
     index = PassageIndex(work / PASSAGES)
     entry = PassageIndexEntry(file=file_entry(work, work / PASSAGES), tokens=PASSAGE_TOKENS, passages=len(index), **gate)
     index.close()
     return entry
 
 
-def heldout_gate(index: PassageIndex, tokens: np.ndarray, offsets: np.ndarray, tokenizer) -> dict:
-    """The gate fields of `index`, fitted on the held-out documents tokens[offsets[d]:offsets[d+1]]."""
-    documents = [tokenizer.decode(tokens[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
-    return fit_gate(index, documents, [text for *_, text in passage_rows(tokens, offsets, tokenizer)])
-
-
-def refitted_gate(root: Path, entry: PassageIndexEntry, tokens: np.ndarray, offsets: np.ndarray, tokenizer) -> PassageIndexEntry:
-    """The version's passage index entry with its gate fitted again on held-out (tokens, offsets) (`calibrate`)."""
-    index = PassageIndex(root / entry.file.path)
+def heldout_gate(passages: Path, tokens: np.ndarray, offsets: np.ndarray, tokenizer, leave_out=()) -> dict:
+    """The gate fields of the passage index at `passages`, fitted on the held-out documents
+    tokens[offsets[d]:offsets[d+1]] against it without the passages of the `leave_out` spans
+    (document, first token, end token: the held-out text itself, where the datastore stores it)."""
+    searched = passages.with_name(f".gate-{passages.name}") if leave_out else passages
+    if leave_out:
+        write_passages(searched, base=passages, leave_out=leave_out)
+    index = PassageIndex(searched)
     try:
-        fit = heldout_gate(index, tokens, offsets, tokenizer)
+        documents = [tokenizer.decode(tokens[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
+        return fit_gate(index, documents, [text for *_, text in passage_rows(tokens, offsets, tokenizer)])
     finally:
         index.close()
+        if leave_out:
+            searched.unlink()
+
+
+def refitted_gate(
+    root: Path, entry: PassageIndexEntry, tokens: np.ndarray, offsets: np.ndarray, tokenizer, leave_out=()
+) -> PassageIndexEntry:
+    """The version's passage index entry with its gate fitted again on held-out (tokens, offsets) (`calibrate`)."""
+    fit = heldout_gate(root / entry.file.path, tokens, offsets, tokenizer, leave_out)
     return entry.model_copy(update={"gate_heldout_pass": None, "gate_stored_pass": None, **fit})
 
 

@@ -22,8 +22,6 @@ MIN_HELDOUT_TOKENS = 1024  # below this a fit is noise: the corpus is calibrated
 class HeldOut:
     """A corpus split into the slice held out to calibrate on and the rest."""
 
-    rest_tokens: np.ndarray  # the corpus without the slice (the passage gate is fitted against it)
-    rest_offsets: np.ndarray
     spans: tuple[tuple[int, int, int], ...]  # (corpus document, first token, end token) of each held-out piece
     tokens: np.ndarray
     offsets: np.ndarray
@@ -51,22 +49,16 @@ def split_heldout(tokens: np.ndarray, doc_offsets: np.ndarray) -> HeldOut | None
         if size + length <= 2 * budget and len(chosen) + 1 < len(starts):
             chosen.append(d)
             size += length
-    keep = np.ones(total, dtype=bool)
     if size >= budget // 2:
-        for d in chosen:
-            keep[starts[d] : ends[d]] = False
         description = f"{len(chosen)} whole document(s) of {len(starts)}, chosen by a hash of their tokens"
         spans = tuple((d, 0, int(ends[d] - starts[d])) for d in sorted(chosen))
     else:
         longest = int(np.argmax(ends - starts))
-        keep[ends[longest] - budget : ends[longest]] = False
         description = f"the last {budget} tokens of the longest document (of {len(starts)})"
         length = int(ends[longest] - starts[longest])
         spans = ((longest, length - budget, length),)
     held = np.concatenate([tokens[starts[d] + a : starts[d] + b] for d, a, b in spans])
-    kept_lengths = np.array([int(keep[s:e].sum()) for s, e in zip(starts, ends)], dtype=np.int64)
-    rest = offsets_of(kept_lengths[kept_lengths > 0].tolist())
-    return HeldOut(tokens[keep], rest, spans, held, offsets_of([b - a for _, a, b in spans]), description)
+    return HeldOut(spans, held, offsets_of([b - a for _, a, b in spans]), description)
 
 
 def heldout_entries(starts: np.ndarray, spans) -> list[tuple[int, int]]:

@@ -65,11 +65,16 @@ def passage_spans(lengths: np.ndarray, size: int = PASSAGE_TOKENS) -> np.ndarray
 
 
 def write_passages(
-    path: Path, rows: Iterable[tuple[int, int, int, str]] = (), base: Path | None = None, keep: dict[int, int] | None = None
+    path: Path,
+    rows: Iterable[tuple[int, int, int, str]] = (),
+    base: Path | None = None,
+    keep: dict[int, int] | None = None,
+    leave_out: Iterable[tuple[int, int, int]] = (),
 ) -> None:
     """Write the index at `path` as a new file, put in place at once: `base`'s passages (those of
-    the documents in `keep`, renumbered by it, when given) followed by `rows` (document, start,
-    stop, text). The file is written fresh, without a journal: a passage left out never enters it."""
+    the documents in `keep`, renumbered by it, when given; none that overlaps a `leave_out` span
+    (document, first token, end token)) followed by `rows` (document, start, stop, text). The file
+    is written fresh, without a journal: a passage left out never enters it."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
     with closing(sqlite3.connect(tmp)) as db:
@@ -87,6 +92,7 @@ def write_passages(
                     f"INSERT INTO passages({columns}) SELECT p.rowid, p.text, k.new, p.start, p.stop "
                     "FROM base.passages AS p JOIN kept AS k ON p.document = k.old"
                 )
+            db.executemany("DELETE FROM passages WHERE document = ? AND start < ? AND stop > ?", ((d, b, a) for d, a, b in leave_out))
             db.commit()
             db.execute("DETACH DATABASE base")
         db.executemany("INSERT INTO passages(text, document, start, stop) VALUES (?, ?, ?, ?)", ((t, d, a, b) for d, a, b, t in rows))

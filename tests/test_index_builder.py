@@ -416,7 +416,6 @@ def test_the_held_out_slice_names_its_documents_and_their_entries():
     held = [d for d, a, b in heldout.spans]
     assert 0 < len(held) < len(lengths) and all(a == 0 and b == lengths[d] for d, a, b in heldout.spans)  # whole documents
     assert np.array_equal(heldout.tokens, np.concatenate([tokens[offsets[d] : offsets[d + 1]] for d in held]))
-    assert len(heldout.rest_tokens) + len(heldout.tokens) == len(tokens)
     # Their entries in a datastore of the whole corpus: every position of theirs, no other document's.
     starts = document_starts(offsets)
     ranges = heldout_entries(starts, heldout.spans)
