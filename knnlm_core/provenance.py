@@ -65,6 +65,15 @@ class DocumentTable:
             sha256=[o[3] for o in origins],
         )
 
+    def select(self, documents: np.ndarray) -> DocumentTable:
+        """The rows of `documents` (the documents a compact keeps), in that order."""
+        rows = documents.tolist()
+        return DocumentTable(
+            self.root,
+            self.sources,
+            *([column[r] for r in rows] for column in (self.source, self.line, self.id, self.first_token, self.sha256)),
+        )
+
     def extended(self, other: DocumentTable) -> DocumentTable:
         """This table's documents followed by `other`'s, under this table's root: every name it gave
         stays as it was (forget by source, explanations and passages keep naming a document alike)."""
