@@ -4,6 +4,7 @@ recalled, and leaves no copy of its text behind once detached and deleted."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import openai
@@ -164,6 +165,97 @@ def test_bad_input_is_refused_naming_its_field_and_nothing_is_kept(server, root,
     assert alice.vector_stores.retrieve(alices_store[0].id).file_counts.completed == 1  # still serving
 
 
+def test_file_search_puts_the_stores_passages_in_the_answer_and_names_the_file(server, alices_store):
+    store, done = alices_store
+    alice = client(server, "alice")
+    tools = [{"type": "file_search", "vector_store_ids": [store.id], "max_num_results": 3}]
+    question = "Where does the keeper keep the spare lens?"
+    asked = alice.responses.create(
+        model="tiny", input=question, tools=tools, include=["file_search_call.results"], max_output_tokens=8, temperature=0
+    )
+    call, *rest = asked.output
+    assert call.type == "file_search_call" and call.queries == [question] and call.status == "completed"
+    assert call.results[0].file_id == done.id and call.results[0].filename == "handbook.md" and "spare lens" in call.results[0].text
+    (message,) = [item for item in rest if item.type == "message"]
+    assert [(a.type, a.file_id) for a in message.content[0].annotations] == [("file_citation", done.id)]
+    # The passage went into the prompt: the same question costs more prompt tokens with the tool.
+    plain = alice.responses.create(model="tiny", input=question, max_output_tokens=8, temperature=0)
+    assert asked.usage.input_tokens > plain.usage.input_tokens + 20
+    # Without `include`, the call's results are left out; streamed, the completed response carries the same.
+    assert alice.responses.create(model="tiny", input=question, tools=tools, max_output_tokens=4).output[0].results is None
+    with alice.responses.stream(model="tiny", input=question, tools=tools, max_output_tokens=4) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].type == "file_search_call" and final.output[-1].content[0].annotations[0].file_id == done.id
+    # Another key naming the store gets what a store that does not exist gets.
+    bob = [
+        requests.post(
+            f"{server.base_url}/v1/responses",
+            headers={"Authorization": f"Bearer {KEYS['bob']}"},
+            json={"model": "tiny", "input": question, "tools": [{"type": "file_search", "vector_store_ids": [vs]}]},
+            timeout=60,
+        )
+        for vs in (store.id, "vs_" + "0" * 24)
+    ]
+    assert bob[0].status_code == bob[1].status_code == 404
+    assert bob[0].text.replace(store.id, "ID") == bob[1].text.replace("vs_" + "0" * 24, "ID")
+
+
+def test_two_keys_under_load_never_see_each_others_files_or_secrets(server, root, alices_store):
+    """32 clients at once, each key's mixing uploads, searches, file_search answers and streams
+    against its own store, and probing the other's ids: no answer of one key names the other's."""
+    import concurrent.futures
+    import random
+
+    store_a, done_a = alices_store
+    bob = client(server, "bob")
+    secret_b = "The cellar of the Orrin mill hides the brass ledger under the third flagstone"
+    store_b = bob.vector_stores.create(name="bob")
+    done_b = bob.vector_stores.files.upload_and_poll(vector_store_id=store_b.id, file=("ledger.txt", secret_b.encode()))
+    assert done_b.status == "completed"
+    own = {"alice": (store_a.id, done_a.id, "blue copper chest"), "bob": (store_b.id, done_b.id, "brass ledger")}
+
+    def one(n: int) -> tuple[str, list[str]]:
+        who = ("alice", "bob")[n % 2]
+        other = "bob" if who == "alice" else "alice"
+        me, c, rng = own[who], client(server, who), random.Random(n)
+        seen = []
+        for kind in rng.sample(["search", "respond", "stream", "list", "probe", "upload"], 4):
+            if kind == "search":
+                seen += [r.model_dump_json() for r in c.vector_stores.search(me[0], query="where is it kept hidden").data]
+            elif kind == "respond":
+                tools = [{"type": "file_search", "vector_store_ids": [me[0]]}]
+                seen.append(c.responses.create(model="tiny", input="Where is it kept?", tools=tools, max_output_tokens=6).model_dump_json())
+            elif kind == "stream":
+                xargs = {"knn_datastore": me[0], "knn_context": 1}
+                chunks = c.completions.create(
+                    model="tiny", prompt="Where is it kept?", max_tokens=6, stream=True, extra_body={"vllm_xargs": xargs}
+                )
+                seen += [chunk.model_dump_json() for chunk in chunks]
+            elif kind == "list":
+                seen += [c.files.list().model_dump_json(), c.vector_stores.list().model_dump_json()]
+            elif kind == "probe":
+                for route in (f"vector_stores/{own[other][0]}", f"files/{own[other][1]}"):
+                    r = requests.get(f"{server.base_url}/v1/{route}", headers={"Authorization": f"Bearer {KEYS[who]}"}, timeout=120)
+                    assert r.status_code == 404
+                    seen.append(r.text.replace(own[other][0], "").replace(own[other][1], ""))  # its own words, not the id it sent
+            elif n < 2:  # an upload of each key's: an add
+                f = c.files.create(file=(f"note-{n}.txt", f"Note {n} of {who}: the kettle is on the stove.".encode()), purpose="assistants")
+                seen.append(c.vector_stores.files.create(me[0], file_id=f.id).model_dump_json())
+        return who, seen
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(one, range(32)))
+    for who, seen in answers:
+        other = own["bob" if who == "alice" else "alice"]
+        leaked = [s for s in seen if any(mark in s for mark in other)]
+        assert leaked == [], (who, leaked[:2])
+    for line in map(json.loads, (root / "audit.jsonl").read_text().splitlines()):
+        if line["key_id"] in own and line["decision"] == "allowed" and line["status"] != 404:  # a refusal names only what its key sent
+            other = own["bob" if line["key_id"] == "alice" else "alice"]
+            assert not any(mark in json.dumps(line) for mark in other), json.dumps(line)
+    bob.vector_stores.delete(store_b.id)
+
+
 def test_a_detached_and_deleted_file_leaves_no_copy_of_its_text(server, root, alices_store, tiny_model_dir):
     store, done = alices_store
     alice = client(server, "alice")
@@ -172,7 +264,8 @@ def test_a_detached_and_deleted_file_leaves_no_copy_of_its_text(server, root, al
     )
     assert other.status == "completed" and below(root, "blue copper chest")
     alice.vector_stores.files.delete(done.id, vector_store_id=store.id)
-    assert [f.id for f in alice.vector_stores.files.list(store.id).data] == [other.id]
+    listed = [f.id for f in alice.vector_stores.files.list(store.id).data]
+    assert other.id in listed and done.id not in listed
     assert all(r.file_id != done.id for r in alice.vector_stores.search(store.id, query="spare lens copper chest").data)
     alice.files.delete(done.id)
     assert below(root, "blue copper chest") == [] and below(root, "oiled sailcloth") == []

@@ -7,6 +7,8 @@
 2. In-context passages (server/context.py): with `vllm_xargs.knn_context`, the request's text
    retrieves passages of its datastore, which go into its prompt; the knob is removed, and the
    response gets a `knn_context` field naming them.
+3. `file_search` on the responses route (server/file_search.py): the vector stores' passages go
+   into the request's instructions, and the response names the files.
 Admission is here, not in a vLLM logits processor, because it must work for every model runner
 and with speculative decoding, where vLLM's V1 runner loads no logits processors. A request
 without kNN knobs passes through untouched, its body replayed as it came.
@@ -22,6 +24,7 @@ from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve import metrics
 from knnlm_serve.engine.request_params import KNOWN_KEYS, WIRE_KEY, KnnParamError, RequestKnobs, parse_knobs, raw_type_error, with_defaults
 from knnlm_serve.server import context as ctx
+from knnlm_serve.server import file_search
 from knnlm_serve.server.audit import record_of
 from knnlm_serve.server.grants import granted, tenant_of, unknown_knob
 from knnlm_serve.server.http_errors import STATUS, error_response
@@ -50,6 +53,13 @@ class AdmissionMiddleware:
         body = b"".join(chunks)
         state = scope["app"].state
         registry = getattr(state, "knnlm_registry", None)
+        search = None
+        if registry is not None and scope["path"] == "/v1/responses" and file_search.TOOL.encode() in body:
+            try:
+                body, search = _with_file_search(state, scope, body)
+            except KnnlmError as e:
+                refused = error_response(STATUS[e.kind], registry.public(str(e)), e.param, "BadRequestError")
+                return await refused(scope, receive, send)
         key = tenant_of(scope)
         request = _knn_request(body, every=key is not None) if registry is not None else None
         context = None
@@ -66,7 +76,21 @@ class AdmissionMiddleware:
             body = json.dumps(request).encode()
         if context is not None:
             send = _naming_context(send, context, request.get("stream", False))
+        if search is not None:
+            send = file_search.answering(send, search, bool(json.loads(body).get("stream")))
         await self.app(scope, _replay({"type": "http.request", "body": body, "more_body": False}, receive), send)
+
+
+def _with_file_search(state, scope, body: bytes) -> tuple[bytes, file_search.FileSearch | None]:
+    """The body with a file_search tool's passages in it (server/file_search.py), as it came otherwise."""
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body, None  # vLLM reports malformed JSON itself
+    if not isinstance(request, dict):
+        return body, None
+    request, search = file_search.admitted(state, scope, request)
+    return (json.dumps(request).encode() if search is not None else body), search
 
 
 def _param_of(e: KnnlmError) -> str:

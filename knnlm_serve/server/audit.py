@@ -3,7 +3,9 @@ was refused one, with the real reason of a refusal even where the client saw "un
 
 Fields: time (UTC, ISO 8601), request_id (the client's X-Request-Id, else a new one), key_id
 (null: no usable key), method, route, datastore, documents (each {document, id, as}: `whole`,
-`snippet` or `passage`), decision (`allowed` / `denied`), reason (a denial's), status.
+`snippet` or `passage`), decision (`allowed` / `denied`), reason (a denial's), status, created
+(the id of a file or vector store the request made). Every request to the Files and Vector
+Stores API is written (its route names the ids it touched).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from datetime import datetime, timezone
 logger = logging.getLogger("knnlm_serve")
 
 SCOPE_KEY = "knnlm.audit"
+OBJECT_ROUTES = ("/v1/files", "/v1/vector_stores")
 
 
 @dataclass
@@ -31,6 +34,7 @@ class AuditRecord:
     decision: str = "allowed"
     reason: str | None = None
     status: int | None = None
+    created: str | None = None
 
     @classmethod
     def of(cls, scope) -> AuditRecord:
@@ -54,7 +58,7 @@ class AuditRecord:
 
     @property
     def worth_writing(self) -> bool:
-        return self.datastore is not None or self.decision == "denied"
+        return self.datastore is not None or self.decision == "denied" or self.route.startswith(OBJECT_ROUTES)
 
 
 def record_of(scope) -> AuditRecord | None:

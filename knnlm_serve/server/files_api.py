@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_serve.server.audit import record_of
 from knnlm_serve.server.grants import tenant_of
 from knnlm_serve.server.http_errors import KnnRoute, http_error
 
@@ -23,6 +24,12 @@ def owner_of(request: Request) -> str | None:
     """Whose objects the request sees: its key's id, or None on a server without keys."""
     key = tenant_of(request.scope)
     return key.id if key is not None else None
+
+
+def created(request: Request, object_id: str) -> None:
+    """The audit line names what the request made."""
+    if (record := record_of(request.scope)) is not None:
+        record.created = object_id
 
 
 def services(request: Request):
@@ -86,6 +93,7 @@ async def create_file(request: Request) -> dict:
             expires = {"anchor": form.get("expires_after[anchor]", "created_at"), "seconds": int(seconds)}
         data = await upload.read(stores.files.limits.max_file_bytes + 1)
         stored = await run_in_threadpool(stores.files.create, owner_of(request), upload.filename or "upload", purpose, data, expires)
+        created(request, stored.id)
     except KnnlmError as e:
         raise failing(request, e) from None
     finally:

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_serve.server.admin_access import parse_body
-from knnlm_serve.server.files_api import LIMIT, ORDER, failing, owner_of, page, services
+from knnlm_serve.server.files_api import LIMIT, ORDER, created, failing, owner_of, page, services
 from knnlm_serve.server.http_errors import KnnRoute
 from knnlm_serve.server.vector_store_search import search_store
 
@@ -125,6 +125,7 @@ def create_store(request: Request, raw: dict | None = Body(None)) -> dict:
     files = _files(request, stores, body.file_ids, "file_ids")
     expires = body.expires_after.model_dump() if body.expires_after else None
     store = _call(request, stores.create, owner_of(request), body.name, body.metadata, expires)
+    created(request, store.id)
     for stored in files:
         stores.attach(store, stored, {}, body.chunking_strategy.model_dump(exclude_none=True))
     return store.public()
