@@ -41,6 +41,13 @@ STEP_PART_SECONDS = Counter(  # a counter: one write a part a step, where a hist
     "metrics); per step: divide by knnlm_step_seconds_count",
     ["part"],
 )
+BROADCAST_SECONDS = Counter(
+    "knnlm_tensor_parallel_broadcast_seconds",
+    "with tensor parallelism, the time each rank spent in the broadcast of rank 0's search answer (rank 0: sending it; "
+    "the others: waiting for it, which includes the search), summed over steps",
+    ["rank"],
+)
+BROADCASTS = Counter("knnlm_tensor_parallel_broadcasts", "with tensor parallelism, broadcasts of rank 0's search answer", ["rank"])
 INTERPOLATION_SECONDS = Histogram(
     "knnlm_interpolation_seconds",
     "one step's p_kNN scatter and log-space mix for one datastore",

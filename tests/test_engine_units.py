@@ -308,6 +308,20 @@ def test_datastore_drafts_set_vllms_speculative_config_and_refuse_a_second_one()
         draft_flags(ServeConfig(knn={"draft_tokens": 3}, vllm_args=ngram))
 
 
+def test_tensor_parallel_size_sets_vllms_flags_and_binds_each_cpu_rank_its_cores():
+    from pydantic import ValidationError
+
+    from knnlm_core.config import ServeConfig
+    from knnlm_serve.server.launcher import cpu_rank_binding, vllm_server_argv
+
+    argv = vllm_server_argv(ServeConfig(tensor_parallel_size=2), "/m")
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--distributed-executor-backend") + 1] == "mp"
+    assert "--tensor-parallel-size" not in vllm_server_argv(ServeConfig(), "/m")
+    assert (cpu_rank_binding(2, [0, 1]), cpu_rank_binding(2, [0, 1, 2, 3, 4]), cpu_rank_binding(3, [0, 1])) == ("0|1", "0,1|2,3", "0|1|0")
+    with pytest.raises(ValidationError, match="set tensor_parallel_size instead"):
+        ServeConfig(vllm_args=["--tensor-parallel-size", "2"])
+
+
 @pytest.mark.parametrize("triton", [True, False])
 def test_knn_model_runner_picks_vllms_runner_through_vllms_own_choice(monkeypatch, triton):
     """auto is Model Runner V2 where Triton has a backend for the device (every CUDA host) and V1

@@ -210,5 +210,18 @@ class ServeConfig(_Strict):
     )
     kv_cache_gib: float = Field(2.0, gt=0, description="memory reserved for the KV cache (CPU RAM or GPU memory)")
     enforce_eager: bool = Field(False, description="skip torch.compile: faster start, slower decode")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="vLLM's tensor parallelism: the model split across this many ranks (GPUs; on a CPU, groups of cores, "
+        "one process each); kNN searches on rank 0 and every rank mixes its answer",
+    )
     vllm_args: list[str] = Field(default_factory=list, description="extra vLLM server flags, passed through verbatim")
     knn: KnnConfig = Field(default_factory=KnnConfig)
+
+    @model_validator(mode="after")
+    def _one_tensor_parallel_setting(self) -> ServeConfig:
+        own = [a for a in self.vllm_args if a.split("=", 1)[0] in ("--tensor-parallel-size", "-tp")]
+        if own:
+            raise ValueError(f"vllm_args sets {own[0]}: set tensor_parallel_size instead (it also binds each CPU rank its cores)")
+        return self

@@ -121,8 +121,9 @@ class KnnLogits:
                 keys = ffn_input[torch.as_tensor(rows.token_index[first], device=ffn_input.device)]
                 plan.started[key] = self._start(plan, first, info, keys) if self.first_rank.rank == 0 else None
             except Exception as e:  # noqa: BLE001 - fail open: these rows are served LM-only
-                self.faults.failed("key_ready", e, len(group), key)
                 plan.started[key] = e
+                if self.first_rank.size == 1:  # with tensor parallelism it is raised on every rank alike, in `_collect`
+                    self.faults.failed("key_ready", e, len(group), key)
         self._begun = plan
 
     def __call__(self, logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -157,7 +158,7 @@ class KnnLogits:
         clock.lap(Part.PLAN)
         for key, group in plan.groups.items():
             info = plan.versions[key]
-            failed = isinstance(plan.started.get(key), Exception)  # begun mid-forward, failed there (and counted)
+            failed = isinstance(plan.started.get(key), Exception) and self.first_rank.size == 1  # begun, failed (and counted)
             if not failed and key in self.faults.unhealthy:
                 metrics.child(metrics.FALLBACKS, info.name, "unhealthy").inc(len(group))
                 failed = True
@@ -196,7 +197,7 @@ class KnnLogits:
         for i, members in enumerate(calls):
             searched = [r for r in members if r in to_search]
             if begun and i == 0:  # begun mid-forward: collected even if every row was skipped
-                found = self.first_rank.run(self.mixer.finish, plan.started.pop(key), [members.index(r) for r in searched], plan.clock)
+                found = self.first_rank.run(self._collect, plan.started.pop(key), [members.index(r) for r in searched], plan.clock)
             elif searched:
                 token_index = torch.as_tensor(rows.token_index[searched], device=hidden_states.device)
                 keys = self.capture.keys(info.key_type, token_index, hidden_states[searched])
@@ -212,6 +213,13 @@ class KnnLogits:
             if rows.sampling:
                 self._remember(plan, searched, found)
             plan.clock.lap(Part.RECORD)
+
+    def _collect(self, started, keep: list[int], clock: StepClock) -> Neighbours | None:
+        """A search begun mid-forward, collected; one that failed to begin raises here, inside the
+        tensor-parallel broadcast, so that every rank fails it alike (none waits on the others)."""
+        if isinstance(started, Exception):
+            raise started
+        return self.mixer.finish(started, keep, clock)
 
     def _remember(self, plan: StepPlan, searched: list[int], found: Neighbours) -> None:
         """Keep the sampling rows' neighbours: for the request's next step, and for its next row in this one."""

@@ -5,6 +5,13 @@ separately could disagree (a shard timing out for one of them) and sample differ
 
 from __future__ import annotations
 
+import logging
+import time
+
+from knnlm_serve import metrics
+
+logger = logging.getLogger("knnlm_serve")
+
 
 class FirstRank:
     def __init__(self) -> None:
@@ -24,8 +31,13 @@ class FirstRank:
             try:
                 result = search(*args)
             except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                logger.debug("knnlm: kNN search on tensor-parallel rank 0 failed", exc_info=True)
                 result = _Failed(f"{type(e).__name__}: {e}")
+        started = time.perf_counter()
         result = get_tp_group().broadcast_object(result, src=0)
+        rank = str(self.rank)
+        metrics.BROADCAST_SECONDS.labels(rank).inc(time.perf_counter() - started)
+        metrics.BROADCASTS.labels(rank).inc()
         if isinstance(result, _Failed):
             raise RuntimeError(f"kNN search on tensor-parallel rank 0 failed: {result.error}")
         return result

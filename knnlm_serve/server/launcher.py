@@ -52,7 +52,20 @@ def vllm_server_argv(config: ServeConfig, model_dir: str) -> list[str]:
         argv.append("--enforce-eager")
     if config.served_model_name:
         argv += ["--served-model-name", config.served_model_name]
+    if config.tensor_parallel_size > 1:  # one process a rank, never Ray's executor (this process has started Ray for the shards)
+        argv += ["--tensor-parallel-size", str(config.tensor_parallel_size), "--distributed-executor-backend", "mp"]
     return argv + list(config.vllm_args)
+
+
+def cpu_rank_binding(ranks: int, cores: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND giving each of `ranks` CPU ranks an equal share of `cores`, in
+    order ("0|1", "0,1|2,3"): vLLM's own default wants a NUMA node per rank. With fewer cores than
+    ranks, ranks share them in turn (it runs, slowly: a model whose heads divide only by more ranks)."""
+    if len(cores) < ranks:
+        logger.warning("tensor_parallel_size %d on %d CPU core(s): ranks share cores, each step waits on the slowest", ranks, len(cores))
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    share = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[r * share : (r + 1) * share])) for r in range(ranks))
 
 
 def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
@@ -71,6 +84,8 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
     drafts = draft_flags(config)
     runner = choose_model_runner(config.knn.model_runner, bool(drafts))
     environment = vllm_environment(plugins=("knnlm", "knnlm_admin"), runner=runner)
+    if config.tensor_parallel_size > 1 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        environment["VLLM_CPU_OMP_THREADS_BIND"] = cpu_rank_binding(config.tensor_parallel_size, sorted(os.sched_getaffinity(0)))
     v2_only = [a for a in config.vllm_args if a.split("=", 1)[0] in V2_ONLY_FLAGS]
     if v2_only and runner.runner == "v1":
         raise ConfigError(f"vllm_args {v2_only[0]} needs vLLM's Model Runner V2, and kNN serves on V1 here ({runner.why}): remove it")
