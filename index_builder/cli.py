@@ -69,6 +69,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     _add_config_flags(build, BuildCluster, skip=("ray_address",))
 
+    store = commands.add_parser(
+        "vector-store", help="a vector store built offline from files, as a server keeps one below its knn.datastore_root"
+    )
+    store.add_argument("root", help="the server's knn.datastore_root")
+    store.add_argument("inputs", nargs="+", help="files (.txt .md .rst .html .json .jsonl, .pdf with pypdf) or folders of them")
+    store.add_argument("--name", help="the store's name")
+    store.add_argument("--owner", help="the key id (knn.keys_file) that owns it; none: the server's one tenant")
+    store.add_argument("--model", default=DEFAULT_MODEL, help='"default" (SmolLM2) or the served model\'s directory')
+    store.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_config_flags(store, BuildConfig)
+    store.add_argument("--ray", nargs="?", const="auto", dest="ray_address", metavar="ADDRESS", help="encode on a running Ray cluster")
+    _add_config_flags(store, BuildCluster, skip=("ray_address",))
+
     calibrate = commands.add_parser(
         "calibrate", help="fit the served λ, τ, k and skip rule of a datastore on held-out text (rewrites only the manifest)"
     )
@@ -147,17 +160,26 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "build":
             from index_builder.build import build_datastore
 
-            try:
-                config, cluster = (
-                    model(**{name: getattr(args, name) for name in model.model_fields if getattr(args, name) is not None})
-                    for model in (BuildConfig, BuildCluster)
-                )
-            except ValidationError as e:
-                raise ConfigError(flag_message(e)) from None
+            config, cluster = _build_settings(args)
             model_dir = model_dir_for(args.model)
             build_datastore(
                 args.inputs, Path(args.output), model_dir, config, cluster=cluster, overwrite=args.overwrite, progress=not args.quiet
             )
+        elif args.command == "vector-store":
+            from index_builder.vector_store import build_vector_store
+
+            config, cluster = _build_settings(args)
+            made = build_vector_store(
+                Path(args.root),
+                [Path(i) for i in args.inputs],
+                model_dir_for(args.model),
+                args.name,
+                args.owner,
+                config,
+                cluster,
+                not args.quiet,
+            )
+            print(json.dumps(made.public(), indent=2))
         elif args.command == "calibrate":
             from index_builder.calibrate import recalibrate
             from knnlm_core.datastore import read_manifest
@@ -220,6 +242,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"knnlm-index: error: {e}")
     except OSError as e:  # a path that cannot be made or read (a missing parent, permissions, a full disk)
         sys.exit(f"knnlm-index: error: {e.strerror or e}: {e.filename or 'a file'}")
+
+
+def _build_settings(args) -> tuple[BuildConfig, BuildCluster]:
+    """The build's settings from its flags (those left out: the defaults)."""
+    try:
+        return tuple(
+            model(**{name: getattr(args, name) for name in model.model_fields if getattr(args, name) is not None})
+            for model in (BuildConfig, BuildCluster)
+        )
+    except ValidationError as e:
+        raise ConfigError(flag_message(e)) from None
 
 
 if __name__ == "__main__":

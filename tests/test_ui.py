@@ -101,6 +101,7 @@ def test_a_question_in_other_words_lists_the_passage_put_in_its_prompt(page, tmp
     assert page.locator("#error").is_hidden(), page.inner_text("#error")
     passages = page.locator("#passage-list li.passage")
     assert passages.count() == 1 and passages.first.inner_text().startswith("vault-doc")
+    assert FACT.strip() in passages.first.locator(".passage-text").inner_text()  # the passage's own text
     screenshot(page, "passages", tmp_path)
 
 
@@ -126,6 +127,29 @@ def test_an_admin_add_through_the_page_changes_the_answer_and_the_token_is_never
     assert after != before and ADDED.startswith(after), after
     assert page.evaluate("localStorage.length + sessionStorage.length") == 0 and TOKEN not in page.content()
     assert str(server.config["knn"]["datastore_root"]) not in page.content()  # no server path shown
+
+
+def test_a_file_uploaded_to_a_new_vector_store_through_the_page_is_followed_to_completed_and_recalled(page, tmp_path):
+    prefix, ending = "The lamplighter of the western quay keeps his ladder behind", " the chandler's shop beside the crooked chimney."
+    page.click("#show-stores")
+    page.fill("#store-name", "quay notes")
+    page.click("#create-store")
+    page.wait_for_function("document.getElementById('upload-store').options.length > 0")
+    page.set_input_files("#upload-file", files=[{"name": "quay.md", "mimeType": "text/markdown", "buffer": (prefix + ending).encode()}])
+    page.click("#upload")
+    page.wait_for_function("document.getElementById('upload-status').textContent.includes(': completed')", timeout=300_000)
+    assert page.locator("#store-error").is_hidden(), page.inner_text("#store-error")
+    store = page.eval_on_selector("#upload-store", "s => s.value")
+    assert ": completed" in page.inner_text(f"#store-rows tr[data-id={store}]")
+    screenshot(page, "vector-stores", tmp_path)
+    # The store is a datastore: chosen in the Compare tab, it recalls the uploaded text.
+    page.fill("#admin-token", TOKEN)
+    page.dispatch_event("#admin-token", "change")
+    page.click("#show-compare")
+    page.wait_for_function(f"[...document.getElementById('datastore').options].some(o => o.value === '{store}')")
+    page.select_option("#datastore", store)
+    run(page, prefix, max_tokens=8)
+    assert ending.startswith(page.inner_text("#out-on")) and page.inner_text("#out-on"), page.inner_text("#out-on")
 
 
 @pytest.mark.parametrize("field, value, param", [("knn_lambda", "2", "vllm_xargs.knn_lambda"), ("knn_k", "many", "vllm_xargs.knn_k")])

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from knnlm_serve.server.uploads import SUPPORTED, UploadError, check_upload, documents_of
+from knnlm_core.uploads import SUPPORTED, UploadError, check_upload, documents_of
 
 HAS_PYPDF = importlib.util.find_spec("pypdf") is not None
 

@@ -5,6 +5,8 @@ recalled, and leaves no copy of its text behind once detached and deleted."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import openai
@@ -24,6 +26,7 @@ KEYS = {"alice": "sk-knn-test-alice", "bob": "sk-knn-test-bob"}
 FACT = "The harbour lighthouse keeper of Vellmar island keeps the spare lens in the blue copper chest"
 ENDING = " beside the tide clock, wrapped in oiled sailcloth and tied with red cord."
 MAX_FILE_BYTES = 64 * 1024
+OFFLINE = "The orchard gate at Brannock farm is painted a deep plum colour every second spring."
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,18 @@ def root(tiny_model_dir, tmp_path_factory):
     build_datastore([corpus], root / "main", tiny_model_dir, BuildConfig(index="flat", context_length=128, stride=64), progress=False)
     keys = [{"id": who, "sha256": key_hash(secret), "datastores": {"main": ["generate"]}} for who, secret in KEYS.items()]
     (root / "keys.yaml").write_text(yaml.safe_dump({"keys": keys}))
+    # A store of Alice's built offline from a folder, before the server starts (one file it cannot take).
+    (folder := root / "offline-docs").mkdir()
+    (folder / "orchard.md").write_text(OFFLINE)
+    (folder / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    built = subprocess.run(
+        [sys.executable, "-m", "index_builder.cli", "vector-store", str(root), str(folder), "--name", "offline", "--owner", "alice"]
+        + ["--model", str(tiny_model_dir), "--index", "flat", "--context-length", "128", "--stride", "64", "--quiet"],
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert "photo.png: left out (invalid_file)" in built.stderr and json.loads(built.stdout)["file_counts"]["completed"] == 1
     return root
 
 
@@ -92,6 +107,14 @@ def test_an_uploaded_file_is_searched_and_recalled_through_its_store(server, ali
     # The store is a datastore of Alice's: kNN at λ 1 recalls the stored continuation.
     ids = continuations(tiny_model_dir, FACT, {"fact": FACT + ENDING}, 8)
     assert greedy(server, ids["prompt"], 8, api_key=KEYS["alice"], knn_datastore=store.id).token_ids == ids["fact"]
+
+
+def test_a_store_built_offline_from_a_folder_serves_as_its_owners(server):
+    (store,) = [s for s in client(server, "alice").vector_stores.list() if s.name == "offline"]
+    assert store.file_counts.completed == store.file_counts.total == 1
+    (hit, *_) = client(server, "alice").vector_stores.search(store.id, query="What colour is the orchard gate painted?").data
+    assert hit.filename == "orchard.md" and "plum" in hit.content[0].text
+    assert "offline" not in [s.name for s in client(server, "bob").vector_stores.list()]
 
 
 def test_a_batch_counts_an_invalid_file_as_failed(server):

@@ -59,7 +59,7 @@ class Context:
             where = origin(p.document)
             used.append(
                 {"passage": p.id, "document": p.document, "source": where["source"], "id": where["id"], "span": [p.start, p.stop]}
-                | {"relevance": round(p.relevance, 4)}
+                | {"relevance": round(p.relevance, 4), "text": p.text.strip()}
             )
         described = {"datastore": self.datastore, "passages": used, "gated": self.gated, "truncated": self.truncated}
         return described | ({"error": self.error} if self.error else {})

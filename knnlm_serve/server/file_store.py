@@ -10,38 +10,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from knnlm_core.config.serve import FilesConfig
 from knnlm_core.errors import ErrorKind, KnnlmError
-from knnlm_core.files import write_json_atomic
-from knnlm_serve.server.uploads import UploadError, check_upload
+from knnlm_core.uploads import UploadError, check_upload
+from knnlm_core.vector_store_records import FILES, StoredFile, expired, write_file
 
 logger = logging.getLogger(__name__)
 
-FILES = ".knnlm-files"
 PURPOSES = ("assistants", "user_data")
-
-
-@dataclass(frozen=True)
-class StoredFile:
-    id: str
-    owner: str | None
-    filename: str
-    purpose: str
-    bytes: int
-    created_at: int
-    expires_at: int | None = None
-
-    def public(self) -> dict:
-        """OpenAI's file object."""
-        fields = {k: v for k, v in asdict(self).items() if k != "owner"}
-        return {**fields, "object": "file", "status": "processed", "status_details": None}
 
 
 def unknown_file(file_id: str, param: str = "file_id") -> KnnlmError:
@@ -103,15 +84,9 @@ class FileStore:
                     ErrorKind.TOO_LARGE,
                     "file",
                 )
-            data_path = self.folder / f"{stored.id}.data"
             try:
-                tmp = data_path.with_name(f".{data_path.name}.tmp")
-                tmp.write_bytes(data)
-                os.replace(tmp, data_path)
-                write_json_atomic(self.folder / f"{stored.id}.json", asdict(stored))
+                write_file(self.folder, stored, data)
             except OSError as e:
-                for path in (data_path, tmp):
-                    path.unlink(missing_ok=True)
                 raise KnnlmError(f"could not keep the file below knn.datastore_root: {e}", ErrorKind.UNAVAILABLE) from None
             self._files[stored.id] = stored
         return stored
@@ -158,7 +133,3 @@ def expiry(expires_after: dict | None, since: int) -> int | None:
             "expires_after must be {anchor: created_at, seconds: 3600 (1 hour) to 2592000 (30 days)}", ErrorKind.MALFORMED, "expires_after"
         )
     return since + seconds
-
-
-def expired(at: int | None) -> bool:
-    return at is not None and time.time() >= at

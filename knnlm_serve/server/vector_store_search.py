@@ -7,8 +7,8 @@ from pathlib import Path
 
 from knnlm_core.datastore import read_manifest
 from knnlm_core.provenance import DocumentTable
+from knnlm_core.vector_store_records import VectorStore
 from knnlm_serve.server.context import passage_index
-from knnlm_serve.server.vector_store_records import VectorStore
 
 
 def search_store(stores, store: VectorStore, query: str, count: int, gated: bool = False) -> list[dict]:

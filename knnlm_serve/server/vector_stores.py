@@ -21,26 +21,27 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from knnlm_core.added_texts import ADDED_TEXTS
 from knnlm_core.config.serve import FilesConfig
 from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
-from knnlm_core.files import write_json_atomic, write_text_atomic
 from knnlm_core.manifest import MANIFEST
 from knnlm_core.provenance import DocumentTable
+from knnlm_core.uploads import UploadError, documents_of
+from knnlm_core.vector_store_records import VECTOR_STORES, StoreFile, VectorStore, expired, save_store, store_texts, write_documents
 from knnlm_serve.server.document_jobs import DocumentJobs, run_child_job
-from knnlm_serve.server.file_store import FileStore, StoredFile, expired
+from knnlm_serve.server.file_store import FileStore, StoredFile
 from knnlm_serve.server.registry import DatastoreRegistry
-from knnlm_serve.server.uploads import UploadError, documents_of
-from knnlm_serve.server.vector_store_records import StoreFile, VectorStore, unknown_store
 
 logger = logging.getLogger(__name__)
 
-VECTOR_STORES = ".knnlm-vector-stores"
 EXPIRY_CHECK_S = 60.0  # how often expired stores and files are deleted
+
+
+def unknown_store(store_id: str) -> KnnlmError:
+    """The answer for a vector store id that does not exist, or is another key's."""
+    return KnnlmError(f"No vector store found with id {store_id!r}.", ErrorKind.NOT_FOUND, "vector_store_id")
 
 
 class VectorStores:
@@ -81,7 +82,7 @@ class VectorStores:
         return self.folder / store_id / "datastore"
 
     def texts(self, store_id: str) -> Path:
-        return self.root / ADDED_TEXTS / store_id
+        return store_texts(self.root, store_id)
 
     # --- records -------------------------------------------------------------------------------
 
@@ -212,9 +213,7 @@ class VectorStores:
                 documents = documents_of(self.files.content(stored), stored.filename)
             except UploadError as e:
                 return self._finish(store, entry, e.code, str(e))
-            texts = self.texts(store_id) / f"{file_id}.jsonl"
-            texts.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(texts, "".join(json.dumps({"id": doc_id or file_id, "text": text}) + "\n" for doc_id, text in documents))
+            texts = write_documents(self.root, store_id, file_id, documents)
             path = self.datastore(store_id)
             kind = "add" if (path / MANIFEST).exists() else "build"
             model = str(self.registry.model.path)
@@ -272,8 +271,7 @@ class VectorStores:
             return self._writing.setdefault(store_id, threading.Lock())
 
     def _save(self, store: VectorStore) -> None:
-        (self.folder / store.id).mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.folder / store.id / "store.json", asdict(store))
+        save_store(self.folder, store)
 
 
 def _discard(texts: Path, path: Path) -> None:

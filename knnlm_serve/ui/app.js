@@ -186,7 +186,13 @@ function showPassages(context) {
   for (const p of context.passages) {
     const li = document.createElement("li");
     li.className = "passage";
-    li.textContent = `${p.id !== null ? p.id : "#" + p.document} (${p.source}), tokens ${p.span[0]}–${p.span[1]}, relevance ${p.relevance}`;
+    const where = document.createElement("div");
+    where.className = "where";
+    where.textContent = `${p.id !== null ? p.id : "#" + p.document} (${p.source}), tokens ${p.span[0]}–${p.span[1]}, relevance ${p.relevance}`;
+    const text = document.createElement("blockquote");
+    text.className = "passage-text";
+    text.textContent = p.text || "";
+    li.append(where, text);
     list.appendChild(li);
   }
   if (!context.passages.length) list.textContent = `no passage passed the datastore's relevance gate (${context.gated} gated)`;
@@ -284,12 +290,82 @@ async function admin(action) {
   }
 }
 
+// Vector stores: the key's own, through the OpenAI API routes (docs/vector-stores.md).
+async function refreshStores() {
+  showError("store-error", "");
+  try {
+    const stores = (await api("GET", "/v1/vector_stores?limit=100")).data;
+    const rows = $("store-rows");
+    rows.textContent = "";
+    const select = $("upload-store");
+    const chosen = select.value;
+    select.textContent = "";
+    for (const store of stores) {
+      const files = (await api("GET", `/v1/vector_stores/${store.id}/files?limit=100`)).data;
+      const tr = document.createElement("tr");
+      tr.dataset.id = store.id;
+      const listed = files.map((f) => `${f.id}: ${f.status}${f.last_error ? " (" + f.last_error.message + ")" : ""}`).join("\n");
+      for (const c of [store.id, store.name || "", listed || "(no file)", store.status]) {
+        const td = document.createElement("td");
+        td.textContent = c;
+        td.style.whiteSpace = "pre-line";
+        tr.appendChild(td);
+      }
+      rows.appendChild(tr);
+      select.append(new Option(`${store.name || store.id} (${store.id})`, store.id));
+    }
+    if (stores.some((s) => s.id === chosen)) select.value = chosen;
+  } catch (e) {
+    showError("store-error", e.message);
+  }
+}
+
+async function createStore() {
+  showError("store-error", "");
+  try {
+    const store = await api("POST", "/v1/vector_stores", { name: $("store-name").value || undefined });
+    await refreshStores();
+    $("upload-store").value = store.id;
+  } catch (e) {
+    showError("store-error", e.message);
+  }
+}
+
+// Upload the chosen file, attach it to the chosen store, and follow its status as OpenAI's client does.
+async function upload() {
+  showError("store-error", "");
+  const file = $("upload-file").files[0], store = $("upload-store").value;
+  if (!file || !store) return showError("store-error", "choose a store and a file");
+  try {
+    const form = new FormData();
+    form.append("purpose", "assistants");
+    form.append("file", file);
+    const h = headers(false);
+    delete h["Content-Type"];  // the browser sets the multipart boundary
+    const response = await fetch("/v1/files", { method: "POST", headers: h, body: form });
+    const made = await response.json().catch(() => null);
+    if (!response.ok) throw new ApiError(errorText(made, response.status));
+    let attached = await api("POST", `/v1/vector_stores/${store}/files`, { file_id: made.id });
+    while (attached.status === "in_progress") {
+      $("upload-status").textContent = `${file.name} (${made.id}): in progress`;
+      await new Promise((r) => setTimeout(r, 500));
+      attached = await api("GET", `/v1/vector_stores/${store}/files/${made.id}`);
+    }
+    $("upload-status").textContent = `${file.name} (${made.id}): ${attached.status}${attached.last_error ? " — " + attached.last_error.message : ""}`;
+    await refreshStores();
+    refresh();
+  } catch (e) {
+    showError("store-error", e.message);
+  }
+}
+
 function tab(name) {
-  for (const other of ["compare", "datastores"]) {
+  for (const other of ["compare", "datastores", "stores"]) {
     $(other).hidden = other !== name;
     $(`show-${other}`).classList.toggle("active", other === name);
   }
   if (name === "datastores") refresh();
+  if (name === "stores") refreshStores();
 }
 
 async function start() {
@@ -299,6 +375,10 @@ async function start() {
   $("forget").addEventListener("click", () => admin("forget"));
   $("show-compare").addEventListener("click", () => tab("compare"));
   $("show-datastores").addEventListener("click", () => tab("datastores"));
+  $("show-stores").addEventListener("click", () => tab("stores"));
+  $("create-store").addEventListener("click", createStore);
+  $("refresh-stores").addEventListener("click", refreshStores);
+  $("upload").addEventListener("click", upload);
   try {
     window.servedModel = (await api("GET", "/v1/models")).data[0].id;
   } catch (e) {
