@@ -256,7 +256,7 @@ def test_under_cuda_graphs_key_ready_runs_between_the_captured_pieces():
     from knnlm_core.config import ServeConfig
     from knnlm_serve.engine.capture import KEY_READY_OP
     from knnlm_serve.engine.vllm_adapter import eager_at_replay
-    from knnlm_serve.server.launcher import cuda_graph_flags
+    from knnlm_serve.server.vllm_flags import cuda_graph_flags
 
     config = ServeConfig()
     assert cuda_graph_flags(config, cuda=False) == []
@@ -282,7 +282,7 @@ def test_under_cuda_graphs_key_ready_runs_between_the_captured_pieces():
 def test_a_users_compilation_config_is_refused_on_a_gpu():
     from knnlm_core.config import ServeConfig
     from knnlm_core.errors import ConfigError
-    from knnlm_serve.server.launcher import cuda_graph_flags
+    from knnlm_serve.server.vllm_flags import cuda_graph_flags
 
     for flag in (["--compilation-config", '{"cudagraph_mode": "FULL"}'], ["-cc.cudagraph_mode=FULL"]):
         config = ServeConfig(vllm_args=flag)
@@ -298,7 +298,7 @@ def test_datastore_drafts_set_vllms_speculative_config_and_refuse_a_second_one()
     from knnlm_core.config import ServeConfig
     from knnlm_core.errors import ConfigError
     from knnlm_serve.engine.drafts import DRAFTER
-    from knnlm_serve.server.launcher import draft_flags
+    from knnlm_serve.server.vllm_flags import draft_flags
 
     ngram = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
     assert draft_flags(ServeConfig(vllm_args=ngram)) == []  # drafts off: the user's own speculation stays
@@ -312,7 +312,7 @@ def test_tensor_parallel_size_sets_vllms_flags_and_binds_each_cpu_rank_its_cores
     from pydantic import ValidationError
 
     from knnlm_core.config import ServeConfig
-    from knnlm_serve.server.launcher import cpu_rank_binding, vllm_server_argv
+    from knnlm_serve.server.vllm_flags import cpu_rank_binding, vllm_server_argv
 
     argv = vllm_server_argv(ServeConfig(tensor_parallel_size=2), "/m")
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--distributed-executor-backend") + 1] == "mp"
