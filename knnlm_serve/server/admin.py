@@ -198,7 +198,7 @@ class KnnAdminPlugin:
             from knnlm_serve.server.vector_stores import VectorStores
 
             stores = state.knnlm_vector_stores = VectorStores(registry, document_jobs(state), registry.config.files)
-            stores.load()
+            await asyncio.to_thread(stores.load)  # a load asks the workers through this loop: never block it
         try:
             sweep_added_texts(registry)
         except (OSError, KnnlmError) as e:  # the server serves without it; the next start sweeps again
