@@ -1,0 +1,210 @@
+"""Vector stores through the stock `openai` client, on a corpus no setting was chosen on: what an
+upload costs until it serves, what a search costs among ten stores, and whether `file_search`
+answers questions about the uploaded documentation.
+
+    .venv/bin/python benchmarks/vector_stores.py                 # ~40 min on 2 CPU cores
+    .venv/bin/python benchmarks/vector_stores.py --stores 100    # + many small stores: memory per process
+
+The server is configs/default.yaml's (SmolLM2, the embedded datastore beside), with
+`knn.datastore_root` in a work directory. In one run:
+  * upload: seconds from `files.create` to the vector-store file's `completed`, for 10 KB, 100 KB and
+    1 MB of the corpus's text, each as the first file of a new store (a build) and as a second
+    one (an add);
+  * search: the corpus split over 10 stores; `vector_stores.search` latency, p50 and p99, over the items' questions;
+  * exact match: "Which name does this?" questions (`knnlm-eval items`, chat forms) about the
+    package's documentation, uploaded one file per module to one store, asked through
+    `responses.create` with the store's `file_search` and without any tool; a reply matches
+    where it names the answer as a whole word (knnlm_serve/eval/tasks.py's rule); the control
+    items are about modules not uploaded;
+  * with `--stores N`: N stores of one small file each, and the resident memory of the server's
+    processes before and after.
+Writes benchmarks/results/vector_stores.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from run_record import run_record  # noqa: E402
+from task_eval import knnlm_eval, package_modules, write_documents  # noqa: E402
+
+from knnlm_serve.eval.task_items import read_items  # noqa: E402
+from knnlm_serve.eval.tasks import names  # noqa: E402
+from knnlm_serve.server.process import RunningServer  # noqa: E402
+
+SIZES = {"10KB": 10_000, "100KB": 100_000, "1MB": 1_000_000}
+REPLY_TOKENS = 48
+
+
+def corpus_text(docs: Path) -> str:
+    return "\n\n".join(p.read_text() for p in sorted(docs.glob("*.txt")))
+
+
+def upload_seconds(client, text: str, store_id: str | None = None) -> tuple[float, str]:
+    """Seconds from the upload to `completed`, in a new store unless one is given; the store's id."""
+    store_id = store_id or client.vector_stores.create(name="upload").id
+    started = time.monotonic()
+    done = client.vector_stores.files.upload_and_poll(vector_store_id=store_id, file=("part.txt", text.encode()))
+    assert done.status == "completed", done.last_error
+    return time.monotonic() - started, store_id
+
+
+def uploads(client, text: str) -> dict:
+    out = {}
+    for name, size in SIZES.items():
+        chunk = (text * (1 + size // max(len(text), 1)))[:size]
+        built, store = upload_seconds(client, chunk)
+        added, _ = upload_seconds(client, chunk[::-1][: size // 2] + chunk[: size // 2][::-1], store)  # other text, same size
+        out[name] = {"bytes": size, "build_s": round(built, 1), "add_s": round(added, 1)}
+        client.vector_stores.delete(store)
+        print(name, out[name], flush=True)
+    return out
+
+
+def searches(client, docs: Path, questions: list[str], stores: int = 10) -> dict:
+    files = sorted(docs.glob("*.txt"))
+    ids = []
+    for n in range(stores):
+        store = client.vector_stores.create(name=f"part-{n}")
+        batch = client.vector_stores.file_batches.upload_and_poll(
+            vector_store_id=store.id, files=[(f.name, f.read_bytes()) for f in files[n::stores]]
+        )
+        assert batch.file_counts.completed == batch.file_counts.total
+        ids.append(store.id)
+    seconds = []
+    for n, question in enumerate(questions):
+        started = time.monotonic()
+        client.vector_stores.search(ids[n % stores], query=question, max_num_results=5)
+        seconds.append(time.monotonic() - started)
+    for store in ids:
+        client.vector_stores.delete(store)
+    seconds.sort()
+    return {
+        "stores": stores,
+        "searches": len(seconds),
+        "p50_ms": round(1000 * statistics.median(seconds), 1),
+        "p99_ms": round(1000 * seconds[int(0.99 * (len(seconds) - 1))], 1),
+    }
+
+
+def exact_match(client, docs: Path, items: list, model: str) -> dict:
+    store = client.vector_stores.create(name="docs")
+    batch = client.vector_stores.file_batches.upload_and_poll(
+        vector_store_id=store.id, files=[(f.name, f.read_bytes()) for f in sorted(docs.glob("*.txt"))]
+    )
+    tools = [{"type": "file_search", "vector_store_ids": [store.id], "max_num_results": 1}]
+    kinds: dict[str, dict[str, list[bool]]] = {}
+    for item in items:
+        for setting, extra in (("plain", {}), ("file_search", {"tools": tools})):
+            reply = client.responses.create(model=model, input=item.prompt, max_output_tokens=REPLY_TOKENS, temperature=0, **extra)
+            kinds.setdefault(item.kind, {}).setdefault(setting, []).append(names(reply.output_text, item.answer))
+    client.vector_stores.delete(store.id)
+    return {
+        "files": batch.file_counts.total,
+        "kinds": {k: {s: {"items": len(v), "exact": round(sum(v) / len(v), 3)} for s, v in by.items()} for k, by in kinds.items()},
+    }
+
+
+def process_memory(server) -> dict[str, float]:
+    """Resident MiB of the server's process tree, by process name (Ray's workers and actors included)."""
+    import psutil
+
+    tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
+    memory: dict[str, float] = {}
+    for process in tree:
+        try:
+            name = process.name()
+            memory[name] = round(memory.get(name, 0) + process.memory_info().rss / 2**20, 1)
+        except psutil.Error:
+            continue
+    return dict(sorted(memory.items()))
+
+
+def many_stores(client, server, count: int) -> dict:
+    before = process_memory(server)
+    started = time.monotonic()
+    for n in range(count):
+        store = client.vector_stores.create(name=f"team-{n}")
+        client.vector_stores.files.upload_and_poll(
+            vector_store_id=store.id, file=(f"t{n}.txt", f"Team {n} keeps its notes here. ".encode() * 40)
+        )
+    return {
+        "stores": count,
+        "seconds": round(time.monotonic() - started, 1),
+        "rss_mib_before": before,
+        "rss_mib_after": process_memory(server),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--package", default="click", help="whose modules' documentation is uploaded (no setting was chosen on it)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-vector-stores"))
+    parser.add_argument("--limit", type=int, default=30, help="stored names asked about")
+    parser.add_argument("--control-limit", type=int, default=15)
+    parser.add_argument("--stores", type=int, default=0, help="also: this many small stores, and the server's memory")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vector_stores.json")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    stored, control = package_modules(args.package)
+    docs, control_docs = write_documents(stored, args.work / "docs"), write_documents(control, args.work / "control")
+    items_path = args.work / "items.jsonl"
+    knnlm_eval("items", docs, "--control", control_docs, "--limit", args.limit, "--control-limit", args.control_limit, "-o", items_path)
+    items = [i for i in read_items(items_path) if i.kind.split("/")[-1] in ("question", "paraphrase")]
+    config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
+    config.pop("port")
+    config["knn"]["datastore_root"] = str(args.work / "root")
+    record = {**run_record("vector_stores"), "package": args.package, "modules": len(stored), "control_modules": len(control)}
+    with RunningServer(config, args.work / "server") as server:
+        client = server.openai_client()
+        record["upload"] = uploads(client, corpus_text(docs))
+        record["search"] = searches(client, docs, [i.prompt for i in items])
+        print(record["search"], flush=True)
+        record["exact_match"] = exact_match(client, docs, items, config["served_model_name"])
+        print(json.dumps(record["exact_match"], indent=1), flush=True)
+        if args.stores:
+            record["many_stores"] = many_stores(client, server, args.stores)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    plot(record, args.out.with_suffix(".png"))
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = sorted(record["exact_match"]["kinds"])
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for n, setting in enumerate(("plain", "file_search")):
+        values = [record["exact_match"]["kinds"][k].get(setting, {}).get("exact", 0) for k in kinds]
+        left.bar([x + 0.4 * n for x in range(len(kinds))], values, width=0.4, label=setting)
+    left.set_xticks([x + 0.2 for x in range(len(kinds))], kinds, rotation=20, fontsize=8)
+    left.set_ylim(0, 1)
+    left.set_ylabel("exact match")
+    left.set_title(f"questions about {record['package']}'s docs (uploaded)")
+    left.legend()
+    sizes = list(record["upload"])
+    for n, phase in enumerate(("build_s", "add_s")):
+        right.bar([x + 0.4 * n for x in range(len(sizes))], [record["upload"][s][phase] for s in sizes], width=0.4, label=phase[:-2])
+    right.set_xticks([x + 0.2 for x in range(len(sizes))], sizes)
+    right.set_ylabel("seconds from upload to completed")
+    right.set_title("upload until it serves")
+    right.legend()
+    fig.suptitle(f"{record['created']}, {record['commit']}, {record['machine']['cpus']} CPUs", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
