@@ -223,6 +223,24 @@ def test_file_search_puts_the_stores_passages_in_the_answer_and_names_the_file(s
     assert bob[0].text.replace(store.id, "ID") == bob[1].text.replace("vs_" + "0" * 24, "ID")
 
 
+def test_a_store_whose_passages_cannot_be_read_answers_without_them_and_counts_it(server, root):
+    """Fail open: a damaged passage file fails no request; the answer has no results, and it is counted."""
+    from knnlm_serve.server.process import scrape_metrics
+
+    alice = client(server, "alice")
+    store = alice.vector_stores.create(name="damaged")
+    alice.vector_stores.files.upload_and_poll(vector_store_id=store.id, file=("d.txt", b"The damaged store once held notes on the kiln."))
+    (root / ".knnlm-vector-stores" / store.id / "datastore" / "passages.sqlite").write_bytes(b"not a database" * 100)
+    key = f'knnlm_context_failures_total{{datastore="{store.id}"}}'
+    tools = [{"type": "file_search", "vector_store_ids": [store.id]}]
+    asked = alice.responses.create(
+        model="tiny", input="What did the kiln notes say?", tools=tools, include=["file_search_call.results"], max_output_tokens=4
+    )
+    assert asked.output[0].type == "file_search_call" and asked.output[0].results == []
+    assert scrape_metrics(server.base_url).get(key, 0) == 1
+    alice.vector_stores.delete(store.id)
+
+
 def test_two_keys_under_load_never_see_each_others_files_or_secrets(server, root, alices_store):
     """32 clients at once, each key's mixing uploads, searches, file_search answers and streams
     against its own store, and probing the other's ids: no answer of one key names the other's."""

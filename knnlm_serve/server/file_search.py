@@ -13,13 +13,17 @@ used on each output text; a stream gets them in its `response.completed` event.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from dataclasses import dataclass
 
 from knnlm_core.errors import ErrorKind, KnnlmError
+from knnlm_serve import metrics
 from knnlm_serve.server import context as ctx
 from knnlm_serve.server.grants import tenant_of
 from knnlm_serve.server.vector_store_search import search_store
+
+logger = logging.getLogger("knnlm_serve")
 
 TOOL = "file_search"
 INCLUDE_RESULTS = "file_search_call.results"
@@ -57,10 +61,9 @@ def admitted(state, scope, request: dict) -> tuple[dict, FileSearch | None]:
     key = tenant_of(scope)
     chosen = [stores.get(key.id if key is not None else None, v) for v in ids]
     query = question(request)
-    ranked = sorted(
-        ((r, store.id) for store in chosen for r in search_store(stores, store, query, count, gated=True)),
-        key=lambda found: -found[0]["score"],
-    )[:count]
+    ranked = sorted((found for store in chosen for found in _searched(stores, store, query, count)), key=lambda found: -found[0]["score"])[
+        :count
+    ]
     tokenizer = ctx.tokenizer_of(str(stores.registry.model.path))
     used = fitting(ranked, request, query, tokenizer, state.vllm_config.model_config.max_model_len)
     request = {**request, "tools": [t for t in tools if t is not tool]}
@@ -78,6 +81,17 @@ def admitted(state, scope, request: dict) -> tuple[dict, FileSearch | None]:
     call["results"] = results if include else None
     files = {r["file_id"]: r["filename"] for r in results}
     return request, FileSearch(call, [{"type": "file_citation", "file_id": f, "filename": n} for f, n in files.items()])
+
+
+def _searched(stores, store, query: str, count: int) -> list[tuple[dict, str]]:
+    """The store's results above its gate, with its id; none where its search fails (fail open:
+    the request is answered without its passages, logged and counted)."""
+    try:
+        return [(r, store.id) for r in search_store(stores, store, query, count, gated=True)]
+    except Exception as e:  # noqa: BLE001 - a damaged passage file must not fail the request
+        logger.warning("file_search in vector store %s failed, answered without its passages: %s", store.id, e)
+        metrics.CONTEXT_FAILURES.labels(store.id).inc()
+        return []
 
 
 def question(request: dict) -> str:

@@ -164,6 +164,8 @@ class VectorStores:
                 self.stores.pop(store.id, None)
             self._drop_datastore(store.id)
             shutil.rmtree(self.folder / store.id, ignore_errors=True)
+        with self._lock:
+            self._writing.pop(store.id, None)  # a store's lock lives as long as the store
 
     def delete_file(self, owner: str | None, stored: StoredFile) -> None:
         """Detach the file from every store of its owner, then delete it."""
