@@ -101,6 +101,7 @@ class DatastoreInfo(BaseModel):
     last_forget: str | None = None
     passages: PassageIndexEntry | None = None  # in-context retrieval's passages; None: built before passages existed
     manifest_sha256: str | None = None  # of the manifest it was loaded from: what other servers and knnlm-index see as the version
+    in_process: bool = False  # searched in vLLM's worker process whatever knn.backend is (a vector store's: knn.files.store_search)
 
     @property
     def key(self) -> tuple[str, int]:

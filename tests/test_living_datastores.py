@@ -426,3 +426,16 @@ def test_an_hnsw_store_refuses_to_erase_in_place_names_compact_and_changes_nothi
         result.stderr
     )
     assert digest(root) == before and not (tmp_path / ".ds.partial").exists()
+
+
+def test_a_server_up_for_months_keeps_a_bounded_list_of_ended_jobs():
+    from knnlm_serve.server.document_jobs import KEPT_JOBS, DocumentJobs
+
+    jobs = DocumentJobs()
+    first = jobs.begin("a", "add")
+    jobs.end(first, time.monotonic())
+    running = jobs.begin("b", "compact")
+    for _ in range(KEPT_JOBS + 5):
+        jobs.end(jobs.begin("a", "forget"), time.monotonic(), error=None)
+    assert len(jobs.jobs) == KEPT_JOBS + 1 and running.id in jobs.jobs and first.id not in jobs.jobs
+    assert list(jobs.jobs.values())[-1].state == "done"

@@ -23,6 +23,7 @@ from knnlm_serve.server.process import RunningServer
 pytestmark = pytest.mark.slow
 
 KEYS = {"alice": "sk-knn-test-alice", "bob": "sk-knn-test-bob"}
+TOKEN = "admin-s3cret"
 FACT = "The harbour lighthouse keeper of Vellmar island keeps the spare lens in the blue copper chest"
 ENDING = " beside the tide clock, wrapped in oiled sailcloth and tied with red cord."
 MAX_FILE_BYTES = 64 * 1024
@@ -62,6 +63,8 @@ def server(tiny_model_dir, root):
         "audit_log": str(root / "audit.jsonl"),
         "datastore_root": str(root),
         "files": {"max_file_bytes": MAX_FILE_BYTES},
+        "backend": "ray",
+        "admin_token": TOKEN,
         **STRICT_KNN,
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root, api_key=KEYS["alice"]) as server:
@@ -107,6 +110,14 @@ def test_an_uploaded_file_is_searched_and_recalled_through_its_store(server, ali
     # The store is a datastore of Alice's: kNN at λ 1 recalls the stored continuation.
     ids = continuations(tiny_model_dir, FACT, {"fact": FACT + ENDING}, 8)
     assert greedy(server, ids["prompt"], 8, api_key=KEYS["alice"], knn_datastore=store.id).token_ids == ids["fact"]
+    # ... searched in vLLM's worker (knn.files.store_search): no shard actor of its own, unlike `main`.
+    shards = requests.get(f"{server.base_url}/v1/knn/health", headers={"X-Admin-Token": TOKEN}, timeout=60).json()["shards"]
+    assert {s["datastore"] for s in shards} == {"main"}
+    listed = {
+        d["name"]: d
+        for d in requests.get(f"{server.base_url}/v1/knn/datastores", headers={"X-Admin-Token": TOKEN}, timeout=60).json()["datastores"]
+    }
+    assert listed[store.id]["in_process"] and not listed["main"]["in_process"]
 
 
 def test_a_store_built_offline_from_a_folder_serves_as_its_owners(server):

@@ -39,6 +39,11 @@ class FilesConfig(_Strict):
     max_file_bytes: int = Field(8 * 2**20, gt=0, description="largest upload, in bytes (a larger one is a 413)")
     max_bytes_per_key: int = Field(256 * 2**20, gt=0, description="bytes of uploads one key (or, without keys, the server) may hold")
     max_vector_stores_per_key: int = Field(100, gt=0, description="vector stores one key (or, without keys, the server) may hold")
+    store_search: Literal["worker", "backend"] = Field(
+        "worker",
+        description="where a vector store's datastore is searched: in vLLM's worker process (no process per store, so hundreds "
+        "fit), or like every other datastore by knn.backend (with ray: shard actors for each store)",
+    )
 
 
 class KnnConfig(_Strict):

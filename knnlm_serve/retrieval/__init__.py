@@ -13,19 +13,23 @@ rows), served in rounds there. A shard that fails or misses the deadline is left
     actors.py   the Ray shard actor, and starting a version's actors
     graphs.py   Ray Compiled Graphs to the actors: built, parked when idle, dropped when they fail
     fanout.py   the Ray backend: fan-out to one replica per shard, deadlines, replicas, merge
+    placement.py  each version searched by the backend or, where the registry says, in this process
 """
 
 from __future__ import annotations
 
 from knnlm_core.config import KnnConfig
-from knnlm_serve.retrieval.actors import SHARD_ACTOR_ENV, ShardActor, actor_name, start_shard_actors
+from knnlm_serve.retrieval.actors import MALLOC_ENV, SHARD_ACTOR_ENV, ShardActor, actor_name, start_shard_actors
 from knnlm_serve.retrieval.fanout import RayRetriever
 from knnlm_serve.retrieval.local import LocalRetriever
+from knnlm_serve.retrieval.placement import PlacedRetriever
 from knnlm_serve.retrieval.types import RetrievalError, SearchResult
 
 __all__ = [
     "SHARD_ACTOR_ENV",
     "LocalRetriever",
+    "MALLOC_ENV",
+    "PlacedRetriever",
     "RayRetriever",
     "RetrievalError",
     "SearchResult",
@@ -36,5 +40,5 @@ __all__ = [
 ]
 
 
-def make_retriever(knn: KnnConfig, ray_address: str | None) -> LocalRetriever | RayRetriever:
-    return RayRetriever(knn, ray_address) if knn.backend == "ray" else LocalRetriever(knn)
+def make_retriever(knn: KnnConfig, ray_address: str | None) -> LocalRetriever | PlacedRetriever:
+    return PlacedRetriever(knn, ray_address) if knn.backend == "ray" else LocalRetriever(knn)

@@ -35,7 +35,16 @@ logger = logging.getLogger("knnlm_serve")
 #   object store (Ray's default limit is 100 KB; batch 32 at k 1024 is 512 KB).
 # - Niceness 0, not the 15 Ray starts worker processes at: a search is on every step's critical
 #   path, and at 15 it yields its core to anything else there (the API server, the engine core).
-SHARD_ACTOR_ENV = {"GOMP_SPINCOUNT": "1000", "RAY_max_direct_call_object_size": str(4 * 2**20), "RAY_worker_niceness": "0"}
+# - glibc's malloc raises its mmap threshold after each large free (up to 32 MiB), so buffers of
+#   ever-new batch shapes then come from a heap it does not give back: a long-running process
+#   creeps. A fixed threshold keeps large buffers mapped and unmapped (MALLOC_ENV, also vLLM's).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+SHARD_ACTOR_ENV = {
+    "GOMP_SPINCOUNT": "1000",
+    "RAY_max_direct_call_object_size": str(4 * 2**20),
+    "RAY_worker_niceness": "0",
+    **MALLOC_ENV,
+}
 
 
 class ShardActor:

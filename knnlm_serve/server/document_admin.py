@@ -39,7 +39,7 @@ from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.provenance import DocumentTable
 from knnlm_serve.server.admin_access import admin_registry, parse_body, resolve_in_root
-from knnlm_serve.server.document_jobs import DocumentJobs, start_child_job
+from knnlm_serve.server.document_jobs import KEPT_JOBS, DocumentJobs, start_child_job
 from knnlm_serve.server.http_errors import KnnRoute, http_error
 from knnlm_serve.server.registry import DatastoreRegistry
 
@@ -141,7 +141,7 @@ def compact(name: str, request: Request, raw: dict | None = Body(None), registry
 def get_job(job_id: str, request: Request, registry: DatastoreRegistry = Depends(admin_registry)) -> dict:
     job = _jobs(request).jobs.get(job_id)
     if job is None:
-        raise HTTPException(404, f"no job {job_id!r} on this server (jobs are kept until it restarts)")
+        raise HTTPException(404, f"no job {job_id!r} on this server (it keeps its last {KEPT_JOBS} ended jobs, until it restarts)")
     return asdict(job)
 
 

@@ -45,6 +45,9 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 _prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
 
 
+KEPT_JOBS = 1000  # ended jobs `GET /v1/knn/jobs/{job}` still answers; running ones are always kept
+
+
 @dataclass
 class Job:
     id: str
@@ -91,6 +94,9 @@ class DocumentJobs:
         metrics.DOCUMENT_JOB_SECONDS.labels(job.datastore, job.kind).observe(job.seconds)
         with self._lock:
             self._busy.discard(job.datastore)
+            ended = [i for i, j in self.jobs.items() if j.state != "running"]
+            for job_id in ended[: max(0, len(ended) - KEPT_JOBS)]:  # oldest first: a server up for months keeps a bounded list
+                del self.jobs[job_id]
 
 
 def start_child_job(

@@ -63,7 +63,7 @@ def probe(info: DatastoreInfo, actors: VersionActors, knn: KnnConfig, hidden_siz
     query = np.random.default_rng(0).normal(size=(1, hidden_size)).astype(np.float32)
     pids: dict[str, int] = {}
     try:
-        if knn.backend == "ray":
+        if knn.backend == "ray" and not info.in_process:
             import ray
 
             names, handles = zip(*actors.named(info.key))
