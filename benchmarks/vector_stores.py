@@ -2,8 +2,7 @@
 upload costs until it serves, what a search costs among ten stores, and whether `file_search`
 answers questions about the uploaded documentation.
 
-    .venv/bin/python benchmarks/vector_stores.py                 # ~40 min on 2 CPU cores
-    .venv/bin/python benchmarks/vector_stores.py --stores 100    # + many small stores: memory per process
+    .venv/bin/python benchmarks/vector_stores.py                 # ~30 min on 2 CPU cores
 
 The server is configs/default.yaml's (SmolLM2, the embedded datastore beside), with
 `knn.datastore_root` in a work directory. In one run:
@@ -15,9 +14,8 @@ The server is configs/default.yaml's (SmolLM2, the embedded datastore beside), w
     package's documentation, uploaded one file per module to one store, asked through
     `responses.create` with the store's `file_search` and without any tool; a reply matches
     where it names the answer as a whole word (knnlm_serve/eval/tasks.py's rule); the control
-    items are about modules not uploaded;
-  * with `--stores N`: N stores of one small file each, and the resident memory of the server's
-    processes before and after.
+    items are about modules not uploaded.
+Many small stores on one server: benchmarks/many_vector_stores.py.
 Writes benchmarks/results/vector_stores.json and .png.
 """
 
@@ -115,44 +113,12 @@ def exact_match(client, docs: Path, items: list, model: str) -> dict:
     }
 
 
-def process_memory(server) -> dict[str, float]:
-    """Resident MiB of the server's process tree, by process name (Ray's workers and actors included)."""
-    import psutil
-
-    tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
-    memory: dict[str, float] = {}
-    for process in tree:
-        try:
-            name = process.name()
-            memory[name] = round(memory.get(name, 0) + process.memory_info().rss / 2**20, 1)
-        except psutil.Error:
-            continue
-    return dict(sorted(memory.items()))
-
-
-def many_stores(client, server, count: int) -> dict:
-    before = process_memory(server)
-    started = time.monotonic()
-    for n in range(count):
-        store = client.vector_stores.create(name=f"team-{n}")
-        client.vector_stores.files.upload_and_poll(
-            vector_store_id=store.id, file=(f"t{n}.txt", f"Team {n} keeps its notes here. ".encode() * 40)
-        )
-    return {
-        "stores": count,
-        "seconds": round(time.monotonic() - started, 1),
-        "rss_mib_before": before,
-        "rss_mib_after": process_memory(server),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--package", default="click", help="whose modules' documentation is uploaded (no setting was chosen on it)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-vector-stores"))
     parser.add_argument("--limit", type=int, default=30, help="stored names asked about")
     parser.add_argument("--control-limit", type=int, default=15)
-    parser.add_argument("--stores", type=int, default=0, help="also: this many small stores, and the server's memory")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vector_stores.json")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -172,8 +138,6 @@ def main() -> None:
         print(record["search"], flush=True)
         record["exact_match"] = exact_match(client, docs, items, config["served_model_name"])
         print(json.dumps(record["exact_match"], indent=1), flush=True)
-        if args.stores:
-            record["many_stores"] = many_stores(client, server, args.stores)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     plot(record, args.out.with_suffix(".png"))
 

@@ -4,6 +4,7 @@ request by request.
 
     python loadtest/soak.py                        # 60 min at 16 clients: configs/default.yaml + two tenants + the admin API
     python loadtest/soak.py --minutes 5 --record soak-5min   # also keep the report as loadtest/results/soak-5min/
+    python loadtest/soak.py --report-from results/soak/<time>  # that run's report again, with this analysis
 
 The server is the config's, plus two tenants' datastores (built here with the served model), a
 keys file and the admin API. The traffic is in soak_traffic.py, the faults in soak_faults.py,
@@ -148,7 +149,13 @@ def main() -> None:
     parser.add_argument("--fault-every", type=float, help="seconds between faults (default: each kind three times in the run)")
     parser.add_argument("--out", type=Path, default=ROOT / "results/soak", help="where each run's report and logs go (untracked)")
     parser.add_argument("--record", metavar="NAME", help="also keep the report as loadtest/results/NAME/ (tracked)")
+    parser.add_argument(
+        "--report-from", type=Path, metavar="RUN", help="write RUN's report again (its report.json) with this analysis; no run"
+    )
     args = parser.parse_args()
+    if args.report_from:
+        write_report(args.report_from, json.loads((args.report_from / "report.json").read_text()), args.record)
+        return
     duration_s = args.minutes * 60
     every_s = args.fault_every or duration_s / 22
 
@@ -191,19 +198,27 @@ def main() -> None:
         "minutes": args.minutes,
         "concurrency": args.concurrency,
         "fault_every_s": round(every_s, 1),
-        "goals": GOALS,
-        "conclusions": conclusions(samples, traffic.records, faults.records, duration_s, audit_leaks(workdir / "audit.jsonl", tenants)),
         "faults": faults.records,
         "samples": samples,
         "requests": traffic.records,
     }
+    write_report(workdir, report, args.record)
+
+
+def write_report(workdir: Path, report: dict, record: str | None) -> None:
+    """The run's conclusions, JSON, Markdown and plot in `workdir`; with `record`, a copy kept in
+    loadtest/results/<record>/."""
+    tenants, _ = tenant_keys(None)
+    duration_s = report["minutes"] * 60
+    leaks = audit_leaks(workdir / "audit.jsonl", tenants)
+    report.update(goals=GOALS, conclusions=conclusions(report["samples"], report["requests"], report["faults"], duration_s, leaks))
     (workdir / "report.json").write_text(json.dumps(report, indent=1))
     (workdir / "report.md").write_text(markdown(report))
     plot(report, workdir / "soak.png")
     print(markdown(report))
     print(f"soak: report in {workdir}")
-    if args.record:
-        kept = ROOT / "loadtest/results" / args.record
+    if record:
+        kept = ROOT / "loadtest/results" / record
         shutil.rmtree(kept, ignore_errors=True)
         kept.mkdir(parents=True)
         for name in ("report.json", "report.md", "soak.png"):

@@ -22,7 +22,7 @@ def markdown(report: dict) -> str:
         "|---|---|",
         *(f"| {name.replace('_', ' ')} | {'yes' if ok else '**no**'} |" for name, ok in c["checks"].items()),
         "",
-        "Memory after warm-up (the last three quarters; least-squares line):",
+        "Memory per process after warm-up (the last three quarters; least-squares line; a role of several processes: their mean):",
         "",
         "| process | USS MiB/h | USS growth | RSS MiB/h | RSS growth |",
         "|---|---|---|---|---|",

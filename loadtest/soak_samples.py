@@ -121,12 +121,15 @@ def after_warmup(samples: list[dict], warmup_fraction: float = 0.25) -> list[dic
 
 
 def memory_trends(samples: list[dict], field: str) -> dict[str, dict]:
-    """role -> the trend of `field` (rss or uss) over the samples after warm-up, for the roles
-    present in every one of them."""
+    """role -> the trend of `field` (rss or uss) per process of the role over the samples after
+    warm-up, for the roles present in every one of them (an add starts a shard actor, a compact
+    ends some: their count changes by design, each one's memory should not grow)."""
     kept = after_warmup(samples)
     roles = set.intersection(*(set(s["roles"]) for s in kept)) if kept else set()
     return {
-        name: trend([s["t_s"] for s in kept], [s["roles"][name][field] for s in kept]) for name in sorted(roles) if name not in TRANSIENT
+        name: trend([s["t_s"] for s in kept], [s["roles"][name][field] / s["roles"][name]["processes"] for s in kept])
+        for name in sorted(roles)
+        if name not in TRANSIENT
     }
 
 

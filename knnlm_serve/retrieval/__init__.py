@@ -19,7 +19,7 @@ rows), served in rounds there. A shard that fails or misses the deadline is left
 from __future__ import annotations
 
 from knnlm_core.config import KnnConfig
-from knnlm_serve.retrieval.actors import MALLOC_ENV, SHARD_ACTOR_ENV, ShardActor, actor_name, start_shard_actors
+from knnlm_serve.retrieval.actors import SERVING_PROCESS_ENV, SHARD_ACTOR_ENV, ShardActor, actor_name, start_shard_actors
 from knnlm_serve.retrieval.fanout import RayRetriever
 from knnlm_serve.retrieval.local import LocalRetriever
 from knnlm_serve.retrieval.placement import PlacedRetriever
@@ -28,7 +28,7 @@ from knnlm_serve.retrieval.types import RetrievalError, SearchResult
 __all__ = [
     "SHARD_ACTOR_ENV",
     "LocalRetriever",
-    "MALLOC_ENV",
+    "SERVING_PROCESS_ENV",
     "PlacedRetriever",
     "RayRetriever",
     "RetrievalError",

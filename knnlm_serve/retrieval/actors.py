@@ -27,24 +27,22 @@ from knnlm_serve.runtime import DatastoreInfo
 
 logger = logging.getLogger("knnlm_serve")
 
-# The shard actors' process environment:
+# What every process on a step's search path runs with (vLLM's, and the shard actors):
+# - Searches' queries and answers up to 4 MiB (a prompt's rows, batch 256 at k 1024) go inline
+#   with the call and its reply, not through the object store (Ray's default limit is 100 KB): a
+#   caller that puts each large batch there maps ever more of the store's shared memory, which
+#   then counts as its own, and a long-running worker creeps by the store's size.
+# - glibc's malloc raises its mmap threshold after each large free (up to 32 MiB), so buffers of
+#   ever-new batch shapes then come from a heap it does not give back; a fixed threshold keeps
+#   large buffers mapped and unmapped.
+SERVING_PROCESS_ENV = {"RAY_max_direct_call_object_size": str(4 * 2**20), "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+# The shard actors' own, beside it:
 # - OpenMP (FAISS, torch) threads spin after each parallel region before they sleep; libgomp's
 #   default spin held the cores after every search while the caller waiting for the answer and
 #   the actor's own thread sending it needed one.
-# - Answers up to 4 MiB (batch 256 at k 1024) return inline with the call's reply, not through the
-#   object store (Ray's default limit is 100 KB; batch 32 at k 1024 is 512 KB).
 # - Niceness 0, not the 15 Ray starts worker processes at: a search is on every step's critical
 #   path, and at 15 it yields its core to anything else there (the API server, the engine core).
-# - glibc's malloc raises its mmap threshold after each large free (up to 32 MiB), so buffers of
-#   ever-new batch shapes then come from a heap it does not give back: a long-running process
-#   creeps. A fixed threshold keeps large buffers mapped and unmapped (MALLOC_ENV, also vLLM's).
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
-SHARD_ACTOR_ENV = {
-    "GOMP_SPINCOUNT": "1000",
-    "RAY_max_direct_call_object_size": str(4 * 2**20),
-    "RAY_worker_niceness": "0",
-    **MALLOC_ENV,
-}
+SHARD_ACTOR_ENV = {"GOMP_SPINCOUNT": "1000", "RAY_worker_niceness": "0", **SERVING_PROCESS_ENV}
 
 
 class ShardActor:

@@ -91,7 +91,7 @@ class RayRetriever:
         """Send the step's queries to one replica of every shard and return without waiting: the
         shards search while the caller goes on (knn.overlap: the rest of the forward pass)."""
         # Plain calls pass the queries with the call, not through ray.put: Ray inlines arguments
-        # under 100 KB (a step's batch of 32 is 74 KB) and puts larger ones itself.
+        # up to max_direct_call_object_size (SERVING_PROCESS_ENV: 4 MiB) and puts larger ones itself.
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         args = (queries, k, nprobe, pointers, links)
         actors = self._handles(info)

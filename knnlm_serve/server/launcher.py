@@ -55,13 +55,13 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
 
     from knnlm_serve.engine.plugin import SUPPORTED_ARCHITECTURES, choose_model_runner, vllm_environment
     from knnlm_serve.engine.worker_extension import EXTENSION
-    from knnlm_serve.retrieval import MALLOC_ENV
+    from knnlm_serve.retrieval import SERVING_PROCESS_ENV
 
     graph_flags = cuda_graph_flags(config, cuda=torch.cuda.is_available())  # refused before Ray starts
     drafts = draft_flags(config)
     runner = choose_model_runner(config.knn.model_runner, bool(drafts))
     environment = vllm_environment(plugins=("knnlm", "knnlm_admin"), runner=runner)
-    environment.update({name: value for name, value in MALLOC_ENV.items() if name not in os.environ})  # a user's setting wins
+    environment.update({name: value for name, value in SERVING_PROCESS_ENV.items() if name not in os.environ})  # a user's setting wins
     if config.tensor_parallel_size > 1 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         environment["VLLM_CPU_OMP_THREADS_BIND"] = cpu_rank_binding(config.tensor_parallel_size, sorted(os.sched_getaffinity(0)))
     v2_only = [a for a in config.vllm_args if a.split("=", 1)[0] in V2_ONLY_FLAGS]
