@@ -114,6 +114,7 @@ def conclusions(samples: list[dict], requests: list[dict], faults: list[dict], d
     counts = {field: soak_samples.counts_growth(samples, field) for field in ("fds", "threads")}
     latency = soak_samples.latency_windows(requests, duration_s)
     disk = [s["datastore_root_bytes"] for s in samples]
+    shm = [s.get("shm_entries") or 0 for s in soak_samples.after_warmup(samples)]
     worst = max((t["growth"] or 0 for t in memory["uss"].values()), default=0)
     return {
         "requests": len(requests),
@@ -126,6 +127,7 @@ def conclusions(samples: list[dict], requests: list[dict], faults: list[dict], d
         "memory": memory,
         "counts": counts,
         "latency": latency,
+        "shm_entries": {"start": shm[0] if shm else None, "end": shm[-1] if shm else None},
         "datastore_root_bytes": {"start": disk[0] if disk else None, "end": disk[-1] if disk else None, "max": max(disk, default=None)},
         "checks": {
             "no_unplanned_failures": not failures,
@@ -134,6 +136,7 @@ def conclusions(samples: list[dict], requests: list[dict], faults: list[dict], d
             "memory_growth_below_goal": worst < GOALS["memory_growth"],
             "descriptors_flat": (counts["fds"]["growth"] or 0) <= 0,
             "threads_flat": (counts["threads"]["growth"] or 0) <= 0,
+            "shared_memory_files_flat": not shm or shm[-1] <= shm[0],
             "latency_p99_ratio_within_goal": latency["ratio"] is None or latency["ratio"] <= GOALS["latency_ratio"],
         },
     }

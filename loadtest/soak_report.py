@@ -41,6 +41,7 @@ def markdown(report: dict) -> str:
         f"(ratio {latency['ratio']:.2f})."
         if latency["ratio"]
         else "p99 latency: not enough requests in a window.",
+        f"Entries in /dev/shm after warm-up: {c['shm_entries']['start']} → {c['shm_entries']['end']}.",
         f"Datastore root: {c['datastore_root_bytes']['start']} → {c['datastore_root_bytes']['end']} bytes (max {c['datastore_root_bytes']['max']}).",
         "",
         "| fault | at s | ok | recovered s | detail |",

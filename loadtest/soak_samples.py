@@ -99,6 +99,7 @@ def sample(root_pid: int, started: float, datastore_root: Path) -> dict:
         "roles": process_sample(root_pid),
         "object_store_bytes": object_store_bytes(),
         "datastore_root_bytes": tree_bytes(datastore_root),
+        "shm_entries": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else None,
     }
 
 

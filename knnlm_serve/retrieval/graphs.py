@@ -37,6 +37,11 @@ PLAIN = "plain"  # a slot served by plain calls for good: automatic compiled gra
 GRAPH_START_TIMEOUT_S = 60.0  # a new graph's first execution starts the actor's loop, which takes seconds
 GRAPH_RETRY_S = 5.0  # between attempts to build a shard's graph
 Slot = tuple[int, int]  # (shard index, replica)
+# A channel's first buffer: large enough that no step's queries or answers resize it (a prompt
+# chunk of 2048 rows of a 2048-d model; 256 rows at k 1024). Ray leaves a resized channel's old
+# buffer and its semaphores behind (ray-project/ray#59640): shared memory and /dev/shm entries
+# then grow with every resize for as long as the server runs.
+GRAPH_BUFFER_BYTES = int(os.environ.get("RAY_CGRAPH_buffer_size_bytes", 16 * 2**20))
 
 
 class GraphPool:
@@ -226,7 +231,7 @@ def compile_shard_graph(actor, dim: int):
     from ray.dag import InputNode
 
     with InputNode() as step:
-        graph = actor.search_step.bind(step).experimental_compile()
+        graph = actor.search_step.bind(step).experimental_compile(_buffer_size_bytes=GRAPH_BUFFER_BYTES)
     try:
         graph.execute((np.zeros((1, dim), np.float32), 1, None, None)).get(timeout=GRAPH_START_TIMEOUT_S)
     except BaseException:
