@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -53,6 +54,7 @@ class GraphPool:
         self.compiled = knn.compiled_graphs is not False  # None: per version, where `_core_each` holds
         self._engine_node: str | None = None
         self._core_each_of: dict[tuple[str, int], bool] = {}  # version -> whether its actors have a core each
+        self._polling: dict[tuple[str, int], Counter] = {}  # versions given graphs -> their actors per node
         self._deciding = threading.Lock()  # one `_core_each` at a time: a version's builds ask together
         self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
         self._graphs: dict[tuple[str, int], dict[Slot, object]] = {}
@@ -86,6 +88,7 @@ class GraphPool:
                 del self._actors[key]
                 self._used.pop(key, None)
             self._core_each_of = {key: each for key, each in self._core_each_of.items() if key in keep}
+            self._polling = {key: nodes for key, nodes in self._polling.items() if key in keep}
             self._parking = {s: thread for s, thread in self._parking.items() if s[0] in keep}
         if dropped:
             threading.Thread(target=teardown, args=(dropped,), name="knnlm-graph-teardown", daemon=True).start()
@@ -142,8 +145,9 @@ class GraphPool:
     def _core_each(self, key: tuple[str, int]) -> bool:
         """Whether each of this version's shard actors has a core to itself, so that its graph's
         polling reader takes no core that the engine or another actor needs: on every node, no more
-        actors than the CPUs they may run on, less the engine's on its own node (the cores vLLM
-        bound it to, or one where it binds none). Decided once a version, logged."""
+        actors, counting those of the versions given graphs before, than the CPUs they may run on,
+        less the engine's on its own node (the cores vLLM bound it to, or one where it binds none).
+        Decided once a version, logged."""
         import ray
 
         with self._deciding:
@@ -161,7 +165,11 @@ class GraphPool:
             spare = {
                 node: len(cpus - self._engine_cpus(cpus)) if node == self._engine_node else len(cpus) for node, (_, cpus) in nodes.items()
             }
-            self._core_each_of[key] = each = all(count <= spare[node] for node, (count, _) in nodes.items())
+            # Other versions' graphs poll the same spare cores: theirs count too.
+            polling = Counter(node for k, per_node in self._polling.items() if k != key for node in per_node.elements())
+            self._core_each_of[key] = each = all(count + polling[node] <= spare[node] for node, (count, _) in nodes.items())
+            if each:
+                self._polling[key] = Counter({node: count for node, (count, _) in nodes.items()})
             logger.info(
                 "%s@%s: shard actors reached through %s (actors per node %s, spare CPUs %s)",
                 *key,
