@@ -9,7 +9,8 @@ configs/default.yaml's server (SmolLM2, the embedded datastore) is started three
 datastore root layout: with no store; with N stores of one small file each, built offline
 (`build_vector_store`, as `knnlm-index vector-store` does); and with 10 of them served by shard
 actors. Each start's per-process memory (USS, by role: loadtest/soak_samples.py) is read once the
-server answers; with the stores, greedy completions at kNN off and on (each on another store,
+server answers and each store has been searched once (the worker opens a store's shards at its
+first search); then greedy completions at kNN off and on (each on another store,
 interleaved pairs) give the step cost of a store's search. Writes
 benchmarks/results/many_vector_stores.json.
 """
@@ -56,9 +57,16 @@ def build_stores(root: Path, count: int, model_dir: Path) -> list[str]:
     return ids
 
 
+def searched_once(server, model: str, stores: list[str]) -> None:
+    """One kNN step on each store: the worker opens a store's shards at its first search."""
+    client = server.openai_client()
+    for store in stores:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=1, extra_body={"vllm_xargs": {"knn_datastore": store}})
+
+
 def memory(server) -> dict[str, dict]:
-    """USS MiB and process count by role, once the server answers."""
-    time.sleep(5)  # the start's last loads settle
+    """USS MiB and process count by role."""
+    time.sleep(5)  # the last loads settle
     return {
         role: {"uss_mib": round(v["uss"] / 2**20, 1), "processes": v["processes"]} for role, v in process_sample(server.proc.pid).items()
     }
@@ -97,6 +105,17 @@ def served(config: dict, root: Path, workdir: Path, store_search: str):
     return RunningServer(config, workdir)
 
 
+def serving(config: dict, work: Path, store_search: str, model: str, stores: list[str]) -> dict:
+    """A server of the stores below `work/root`: its start, its memory once each store was searched, the step cost."""
+    started = time.monotonic()
+    with served(config, work / "root", work, store_search) as server:
+        start_s = round(time.monotonic() - started, 1)
+        searched_once(server, model, stores)
+        found = {"start_s": start_s, "memory": memory(server), "step": step_cost(server, model, stores)}
+    print(json.dumps(found, indent=1), flush=True)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stores", type=int, default=100)
@@ -116,23 +135,9 @@ def main() -> None:
     started = time.monotonic()
     stores = build_stores(args.work / "many" / "root", args.stores, model_dir)
     record["build_s_per_store"] = round((time.monotonic() - started) / args.stores, 2)
-    started = time.monotonic()
-    with served(config, args.work / "many" / "root", args.work / "many", "worker") as server:
-        record["in_worker"] = {
-            "start_s": round(time.monotonic() - started, 1),
-            "memory": memory(server),
-            "step": step_cost(server, model, stores),
-        }
-    print(json.dumps(record["in_worker"], indent=1), flush=True)
+    record["in_worker"] = serving(config, args.work / "many", "worker", model, stores)
     actor_stores = build_stores(args.work / "actors" / "root", args.actor_stores, model_dir)
-    started = time.monotonic()
-    with served(config, args.work / "actors" / "root", args.work / "actors", "backend") as server:
-        record["as_actors"] = {
-            "start_s": round(time.monotonic() - started, 1),
-            "memory": memory(server),
-            "step": step_cost(server, model, actor_stores),
-        }
-    print(json.dumps(record["as_actors"], indent=1), flush=True)
+    record["as_actors"] = serving(config, args.work / "actors", "backend", model, actor_stores)
     record["per_store_mib"] = per_store(record)
     print(json.dumps(record["per_store_mib"], indent=1))
     args.out.write_text(json.dumps(record, indent=1) + "\n")

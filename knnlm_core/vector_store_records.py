@@ -127,3 +127,8 @@ def write_documents(root: Path, store_id: str, file_id: str, documents: list[tup
     texts.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(texts, "".join(json.dumps({"id": doc_id or file_id, "text": text}) + "\n" for doc_id, text in documents))
     return texts
+
+
+def is_store_datastore(path: Path, root: str | None) -> bool:
+    """Whether `path` is a vector store's datastore below the datastore root `root`."""
+    return root is not None and Path(path).resolve().is_relative_to(Path(root).resolve() / VECTOR_STORES)

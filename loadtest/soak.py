@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import soak_samples  # noqa: E402
+from run import git_commit  # noqa: E402
 from soak_faults import Faults, fault_loop, in_fault_window  # noqa: E402
 from soak_report import markdown, plot  # noqa: E402
 from soak_traffic import PREFIX, SECRETS, Tenant, Traffic, client_loop  # noqa: E402
@@ -240,13 +240,6 @@ def progress(sample: dict, traffic: Traffic, duration_s: float) -> None:
         done, failed = len(traffic.records), sum(1 for r in traffic.records if not r["ok"])
     memory = ", ".join(f"{name} {v['uss'] / 2**20:.0f}" for name, v in sorted(sample["roles"].items()))
     print(f"soak: {sample['t_s'] / 60:5.1f}/{duration_s / 60:.0f} min, {done} requests ({failed} not ok), USS MiB: {memory}", flush=True)
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 if __name__ == "__main__":

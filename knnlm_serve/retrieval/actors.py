@@ -164,9 +164,6 @@ def start_shard_actors(info: DatastoreInfo, knn: KnnConfig) -> list[list]:
                 resources=dict(knn.shard_resources) or None,
                 scheduling_strategy="SPREAD" if knn.replicas > 1 else "DEFAULT",
                 runtime_env={"env_vars": SHARD_ACTOR_ENV},
-                # No task event per search call: Ray's GCS keeps them for a dashboard this server does
-                # not run, and grows by each one (up to its cap) for as long as the server serves.
-                enable_task_events=False,
             )
             .remote(info.path, shard, use_gpu, knn.shard_threads, knn.mmap)
             for replica in range(knn.replicas)

@@ -24,7 +24,7 @@ from knnlm_core.config import KeyType, KnnConfig, datastore_name_problem
 from knnlm_core.datastore import verify_checksums
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.provenance import check_served_files
-from knnlm_core.vector_store_records import VECTOR_STORES
+from knnlm_core.vector_store_records import is_store_datastore
 from knnlm_serve import metrics
 from knnlm_serve.runtime import DatastoreInfo, Runtime, ServedModel, check_datastore, mix_defaults
 from knnlm_serve.server.shard_health import ShardPids
@@ -117,7 +117,9 @@ class DatastoreRegistry:
             try:
                 info = self._check(name, Path(path), key_type)
                 actors = old.actors if keep_actors and old is not None else info.version
-                info = info.model_copy(update={"actors": actors, "in_process": self._in_process(Path(path))})
+                # A vector store's is searched by the workers themselves (knn.files.store_search: worker).
+                in_process = self.config.files.store_search == "worker" and is_store_datastore(Path(path), self.config.datastore_root)
+                info = info.model_copy(update={"actors": actors, "in_process": in_process})
                 if self.runtime.knn.backend == "ray" and not info.in_process:
                     if kept := self._actors.start(info, self.runtime.knn):
                         logger.info("%s@%d: %d shard actor(s) kept from the version before", *info.key, kept)
@@ -206,13 +208,6 @@ class DatastoreRegistry:
         if name not in self.runtime.datastores:
             raise DatastoreError(f"no datastore named {name!r}; serving: {sorted(self.runtime.datastores)}", ErrorKind.NOT_FOUND)
         return self.runtime.datastores[name]
-
-    def _in_process(self, path: Path) -> bool:
-        """Whether the workers search this datastore themselves: a vector store's, unless
-        knn.files.store_search says to serve it like the others."""
-        if self.config.backend != "ray" or self.config.files.store_search != "worker" or self.config.datastore_root is None:
-            return False
-        return path.resolve().is_relative_to(Path(self.config.datastore_root).resolve() / VECTOR_STORES)
 
     def _check(self, name: str, path: Path, key_type: KeyType | None) -> DatastoreInfo:
         info, manifest = check_datastore(name, path, self.model)
