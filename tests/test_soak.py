@@ -30,7 +30,7 @@ def test_five_minutes_of_two_tenants_and_faults_end_with_no_unplanned_failure_an
     config = tmp_path / "soak.yaml"
     config.write_text(yaml.safe_dump({**TINY_SERVER, "model": str(tiny_model_dir), "knn": {"backend": "ray", "k": 8}}))
     command = [sys.executable, "loadtest/soak.py", "--config", str(config), "--minutes", "5", "--concurrency", "8"]
-    run = subprocess.run([*command, "--fault-every", "36", "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
+    run = subprocess.run([*command, "--fault-every", "20", "--out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     report = json.loads(next((tmp_path / "out").glob("*/report.json")).read_text())
     found = report["conclusions"]
