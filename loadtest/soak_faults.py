@@ -95,7 +95,10 @@ class Faults:
         self.write_keys([*self.keys, {**entry, "id": f"{tenant.key_id}-next", "sha256": key_hash(new)}])
         with self.traffic.lock:
             tenant.key = new
-        time.sleep(2)
+        # The old key goes once no request sent with it is still waiting for its answer.
+        deadline = time.monotonic() + 300
+        while old in self.traffic.sending.values() and time.monotonic() < deadline:
+            time.sleep(0.5)
         entry["sha256"] = key_hash(new)
         self.write_keys(self.keys)
         refused = requests.get(f"{self.traffic.base_url}/v1/models", headers={"Authorization": f"Bearer {old}"}, timeout=60)

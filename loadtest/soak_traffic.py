@@ -44,6 +44,7 @@ class Traffic:
     shared_datastore: str | None  # the config's own datastore, granted to both tenants
     tenants: list[Tenant]
     records: list[dict] = field(default_factory=list)
+    sending: dict[int, str] = field(default_factory=dict)  # client -> the key of the request it is sending
     started: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -97,7 +98,7 @@ def send(traffic: Traffic, tenant: Tenant, kind: str, turn: int) -> tuple[bool, 
         )
         if response.status_code != 200:
             return False, f"explain: HTTP {response.status_code} {response.text[:200]}", False
-        docs = {n["id"] for t in response.json()["tokens"] for n in t["neighbours"]}
+        docs = {n.get("id") for t in response.json()["tokens"] for n in t["neighbours"]} - {None}  # a forgotten one shows no id
         mine = all(d.startswith(tenant.datastore) for d in docs) and not leaks(response.text, tenant)
         return mine, None if mine else f"neighbours of another store: {sorted(docs)[:5]}", False
     if kind == "prompt_logprobs":
@@ -154,6 +155,7 @@ def client_loop(traffic: Traffic, index: int, stop: threading.Event) -> None:
         kind = KINDS[turn % len(KINDS)]
         with traffic.lock:
             tenant = traffic.tenants[index % len(traffic.tenants)]
+            traffic.sending[index] = tenant.key
         start = traffic.now()
         try:
             ok, error, excusable = send(traffic, tenant, kind, turn // len(KINDS))
@@ -173,4 +175,5 @@ def client_loop(traffic: Traffic, index: int, stop: threading.Event) -> None:
         }
         with traffic.lock:
             traffic.records.append(record)
+            traffic.sending.pop(index, None)
         turn += 1
