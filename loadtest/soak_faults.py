@@ -97,7 +97,10 @@ class Faults:
             tenant.key = new
         # The old key goes once no request sent with it is still waiting for its answer.
         deadline = time.monotonic() + 300
-        while old in self.traffic.sending.values() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            with self.traffic.lock:
+                if old not in self.traffic.sending.values():
+                    break
             time.sleep(0.5)
         entry["sha256"] = key_hash(new)
         self.write_keys(self.keys)
