@@ -63,10 +63,16 @@ def starting(server: RunningServer) -> Iterator[Future]:
 
 
 @pytest.fixture(scope="session")
-def plain_tiny_server(tiny_model_dir, tmp_path_factory):
-    """Stock vLLM behaviour: the tiny model served with no datastore."""
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir)}, tmp_path_factory.mktemp("plain")) as server:
-        yield server
+def plain_tiny_start(tiny_model_dir, tmp_path_factory):
+    """Stock vLLM behaviour: the tiny model served with no datastore, starting in the background
+    from the setup of the first module that asks for it (test_knn_serving's, beside its own two)."""
+    with starting(RunningServer({**TINY_SERVER, "model": str(tiny_model_dir)}, tmp_path_factory.mktemp("plain"))) as start:
+        yield start
+
+
+@pytest.fixture(scope="session")
+def plain_tiny_server(plain_tiny_start):
+    return plain_tiny_start.result()
 
 
 def until(condition, timeout: float, what: str) -> None:

@@ -59,12 +59,12 @@ def knn_settings(tiny_model_dir, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fast_start(knn_settings, tiny_model_dir, tmp_path_factory):
+def fast_start(knn_settings, tiny_model_dir, tmp_path_factory, plain_tiny_start):
     """The reference server's datastores and settings with each of its references turned on:
     searches started mid-forward (knn.overlap, under vLLM's compiled graph), shards reached
     through Ray Compiled Graphs, and vLLM's prompt-lookup (`ngram`) speculative decoding. One
     server for the three comparisons (an engine start is the suite's largest cost), starting
-    beside the reference server's start and tests."""
+    beside the reference server's start and tests, as the plain server does (`plain_tiny_start`)."""
     drafts = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     knn = {**knn_settings, "overlap": True, "compiled_graphs": True}
     config = {
