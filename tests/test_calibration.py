@@ -81,6 +81,7 @@ def datastores(corpus, tiny_model_dir, build_log):
     return root
 
 
+@pytest.mark.slow
 def test_the_build_holds_a_slice_out_and_stores_its_fit(datastores, corpus, tiny_model_dir):
     manifest = read_manifest(datastores / "cal")
     cal = manifest.calibration
@@ -105,6 +106,7 @@ def test_the_build_holds_a_slice_out_and_stores_its_fit(datastores, corpus, tiny
     assert {d.source for d in held} < {f"{name}.txt" for name in INDEXED} and all(d.tokens[0] == 0 for d in held)
 
 
+@pytest.mark.slow
 def test_a_build_stores_and_lists_every_document_it_was_given(datastores, build_log):
     """The held-out slice is stored: the build's last log line, the manifest and the listing name
     as many documents as the corpus holds, and a held-out document's own sentence finds its passage."""
@@ -269,6 +271,7 @@ def listing(server) -> dict:
     return {d["name"]: d for d in response.json()["datastores"] if d["status"] == "serving"}
 
 
+@pytest.mark.slow
 def test_a_request_with_no_knobs_gets_the_calibration(server, prompt, datastores):
     cal = read_manifest(datastores / "cal").calibration
     served = prompt_logprobs(server, prompt, knn_datastore="cal")
@@ -283,6 +286,7 @@ def test_a_request_with_no_knobs_gets_the_calibration(server, prompt, datastores
     assert set(defaults["source"].values()) == {"calibration"}
 
 
+@pytest.mark.slow
 def test_config_overrides_then_request_knobs_win(server, prompt):
     overridden = prompt_logprobs(server, prompt, knn_datastore="override")
     as_request = prompt_logprobs(server, prompt, knn_datastore="cal", knn_lambda=0.9, knn_k=4, knn_temperature=0.5)
@@ -302,6 +306,7 @@ def test_config_overrides_then_request_knobs_win(server, prompt):
     }
 
 
+@pytest.mark.slow
 def test_a_datastore_built_before_calibration_serves_the_config_defaults(server, prompt):
     np.testing.assert_allclose(
         prompt_logprobs(server, prompt, knn_datastore="old"),
@@ -311,6 +316,7 @@ def test_a_datastore_built_before_calibration_serves_the_config_defaults(server,
     assert set(listing(server)["old"]["defaults"]["source"].values()) == {"config default"}
 
 
+@pytest.mark.slow
 def test_calibrate_replaces_the_manifest_atomically_and_a_hot_swap_serves_it(server, datastores, corpus, tiny_model_dir):
     shutil.copytree(datastores / "cal", datastores / "recal")
     before = (datastores / "recal" / MANIFEST).read_bytes()
@@ -349,6 +355,7 @@ def test_calibrate_replaces_the_manifest_atomically_and_a_hot_swap_serves_it(ser
     assert now["defaults"]["k"] == manifest.calibration.k and now["defaults"]["temperature"] == manifest.calibration.temperature
 
 
+@pytest.mark.slow
 def test_calibrate_without_text_refits_the_slice_the_build_held_out(datastores, corpus, tiny_model_dir):
     from index_builder.calibrate import recalibrate
 

@@ -150,6 +150,7 @@ def test_sweep_tunes_on_the_tuning_part_only_and_writes_the_report(run, tmp_path
     assert "served through vLLM" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_the_served_setting_is_judged_against_every_row_searched_at_the_build_nprobe(run, datastores):
     # The eval's own run: its first datastore is flat, so full retrieval is the served search itself.
     served_defaults = run.summary["served_defaults"]
@@ -229,6 +230,7 @@ def test_datastore_for_another_model_is_refused_with_exit_code_1(datastores, tex
     assert last.startswith("knnlm-eval: error: datastore 'd'") and "was built for model" in last
 
 
+@pytest.mark.slow
 def test_evaluation_leaves_no_plugin_switch_in_the_environment(run):
     """Processes started after an evaluation (a plain server, say) must not inherit its kNN switch."""
     import os
@@ -236,6 +238,7 @@ def test_evaluation_leaves_no_plugin_switch_in_the_environment(run):
     assert "knnlm" not in os.environ.get("VLLM_PLUGINS", "").split(",")
 
 
+@pytest.mark.slow
 def test_a_knn_error_stops_the_evaluation_instead_of_scoring_the_lm_alone(run, datastores, tiny_model_dir, tmp_path):
     """A datastore file replaced after the checks: a server answers from the LM alone (fail-open),
     while an evaluation must not report those rows as kNN's."""

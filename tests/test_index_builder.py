@@ -125,6 +125,7 @@ def test_shards_merged_equal_one_unsharded_index(corpus, tiny_model_dir, tmp_pat
             assert np.array_equal(t[row, :n], expected_t[row][mine[row]])
 
 
+@pytest.mark.slow
 def test_ivfpq_build_trains_once_and_searches(corpus, tiny_model_dir, tmp_path):
     config = SMALL.model_copy(update={"index": "ivfpq", "shards": 2})
     manifest = build_datastore([corpus], tmp_path / "ds", tiny_model_dir, config, progress=False)
@@ -196,6 +197,7 @@ def knnlm_index(*args: str, timeout: float = 300) -> subprocess.CompletedProcess
     return subprocess.run([sys.executable, "-m", "index_builder.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_killed_build_resumes_to_the_same_datastore(corpus, tiny_model_dir, tmp_path):
     big = write_corpus(tmp_path / "big", STDLIB_MODULES + ("collections", "functools", "typing", "inspect"))
     args = [
@@ -320,6 +322,7 @@ def test_non_utf8_files_are_skipped_and_counted(corpus, tiny_model_dir, tmp_path
     assert len(manifest.corpus.skipped_files) == 1 and "latin1.txt" in manifest.corpus.skipped_files[0]
 
 
+@pytest.mark.slow
 def test_existing_datastore_is_kept_unless_overwrite(corpus, tiny_model_dir, tmp_path):
     out = tmp_path / "ds"
     build_datastore([corpus / "json.txt"], out, tiny_model_dir, SMALL, progress=False)

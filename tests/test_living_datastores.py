@@ -145,6 +145,7 @@ def test_a_forgotten_document_is_never_found_followed_or_shown_and_rows_keep_k_n
     assert report["problems"] == [] and report["value_at_1"] > 0.5
 
 
+@pytest.mark.slow
 def test_a_killed_add_leaves_the_datastore_byte_identical_and_a_rerun_completes(corpus, tiny_model_dir, tmp_path):
     root = build(corpus, tiny_model_dir, tmp_path / "ds")
     more = write_corpus(tmp_path / "more", ("collections", "typing", "inspect", "subprocess", "unittest", "doctest"))
@@ -169,6 +170,7 @@ def test_a_killed_add_leaves_the_datastore_byte_identical_and_a_rerun_completes(
     }
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_while_an_add_runs_and_the_add_lands_whole(corpus, tiny_model_dir, tmp_path):
     """Two processes changing one datastore (servers sharing its directory, or knnlm-index beside a
     server): the second is refused at once, naming why, instead of deleting the first one's work or

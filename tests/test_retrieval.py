@@ -19,6 +19,8 @@ from knnlm_core.manifest import ModelIdentity
 from knnlm_serve.retrieval import LocalRetriever, RayRetriever, RetrievalError, ShardActor, start_shard_actors
 from knnlm_serve.runtime import DatastoreInfo
 
+pytestmark = pytest.mark.slow  # every test starts Ray and shard actors (the module's fixtures)
+
 DIM, K, TIMEOUT_S = 32, 64, 1.0
 NAMESPACE = f"knnlm-test-retrieval-{os.getpid()}"
 

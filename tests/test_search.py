@@ -110,7 +110,7 @@ def test_flat_shards_answer_as_faiss_through_shard_searcher_and_search_many(tmp_
     np.testing.assert_array_equal(merged_tokens, np.asarray(values)[merged_ids])
 
 
-@pytest.mark.parametrize("index", ["flat", "IVF16,PQ8", "IVF16,PQ8x4fs"])
+@pytest.mark.parametrize("index", ["flat", pytest.param("IVF16,PQ8", marks=pytest.mark.slow), "IVF16,PQ8x4fs"])
 def test_memory_mapped_shards_answer_as_read_ones(tmp_path, index):
     from knnlm_core.search import ShardSearcher, shard_first_ids
 
@@ -128,6 +128,7 @@ def test_memory_mapped_shards_answer_as_read_ones(tmp_path, index):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_knn_gpu_without_a_gpu_faiss_is_refused_for_ivf_shards_and_served_on_cpu_for_flat_ones(tmp_path):
     """`knn.gpu: true` where FAISS sees no GPU (CI's faiss-cpu): flat shards are torch's and need
     no faiss-gpu; an IVF shard gets an error naming the setting instead of a SWIG AttributeError."""
@@ -170,6 +171,7 @@ def test_bf16_preselection_finds_the_exact_neighbours(batch, k):
     assert_same_neighbours(expected, (distances, ids), values)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factory", ["IVF1024,PQ8", "IVF1024,Flat", "IVF1024,PQ16x4fs"])
 def test_ivf_shards_probe_the_lists_faiss_probes(tmp_path, factory, monkeypatch):
     """Single-threaded IVF shards find each query's nprobe lists with torch at a decode step's batch
