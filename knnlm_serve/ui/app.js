@@ -295,13 +295,16 @@ async function refreshStores() {
   showError("store-error", "");
   try {
     const stores = (await api("GET", "/v1/vector_stores?limit=100")).data;
+    const filesOf = [];
+    for (const store of stores) filesOf.push((await api("GET", `/v1/vector_stores/${store.id}/files?limit=100`)).data);
+    // Everything fetched: the table and the store choice change at once, never seen half-built.
     const rows = $("store-rows");
     rows.textContent = "";
     const select = $("upload-store");
     const chosen = select.value;
     select.textContent = "";
-    for (const store of stores) {
-      const files = (await api("GET", `/v1/vector_stores/${store.id}/files?limit=100`)).data;
+    for (const [i, store] of stores.entries()) {
+      const files = filesOf[i];
       const tr = document.createElement("tr");
       tr.dataset.id = store.id;
       const listed = files.map((f) => `${f.id}: ${f.status}${f.last_error ? " (" + f.last_error.message + ")" : ""}`).join("\n");
@@ -351,8 +354,8 @@ async function upload() {
       await new Promise((r) => setTimeout(r, 500));
       attached = await api("GET", `/v1/vector_stores/${store}/files/${made.id}`);
     }
+    await refreshStores();  // the table shows the file's status by the time the status line does
     $("upload-status").textContent = `${file.name} (${made.id}): ${attached.status}${attached.last_error ? " — " + attached.last_error.message : ""}`;
-    await refreshStores();
     refresh();
   } catch (e) {
     showError("store-error", e.message);
