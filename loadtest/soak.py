@@ -33,7 +33,9 @@ from soak_traffic import PREFIX, SECRETS, Tenant, Traffic, client_loop  # noqa: 
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "soak-admin"
-GOALS = {"memory_growth": 0.05, "latency_ratio": 1.2}
+# Open descriptors and threads move with the connections and requests in flight at a sample (the
+# API server's and raylet's by about ten either way under 8 clients): a leak shows as growth past that.
+GOALS = {"memory_growth": 0.05, "count_growth": 0.05, "latency_ratio": 1.2}
 
 
 def tenant_datastores(root: Path, model_dir: Path) -> None:
@@ -134,8 +136,8 @@ def conclusions(samples: list[dict], requests: list[dict], faults: list[dict], d
             "no_cross_tenant_data": not leaks and not any(r["error"] and r["error"].startswith("leak") for r in requests),
             "faults_recovered": all(f["ok"] for f in faults),
             "memory_growth_below_goal": worst < GOALS["memory_growth"],
-            "descriptors_flat": (counts["fds"]["growth"] or 0) <= 0,
-            "threads_flat": (counts["threads"]["growth"] or 0) <= 0,
+            "descriptors_flat": (counts["fds"]["growth"] or 0) <= GOALS["count_growth"] * (counts["fds"]["start"] or 0),
+            "threads_flat": (counts["threads"]["growth"] or 0) <= GOALS["count_growth"] * (counts["threads"]["start"] or 0),
             "shared_memory_files_flat": not shm or shm[-1] <= shm[0],
             "latency_p99_ratio_within_goal": latency["ratio"] is None or latency["ratio"] <= GOALS["latency_ratio"],
         },

@@ -36,7 +36,8 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         f"Descriptors {c['counts']['fds']['start']} → {c['counts']['fds']['end']}, threads {c['counts']['threads']['start']} → "
-        f"{c['counts']['threads']['end']} (medians of the first and last three samples after warm-up).",
+        f"{c['counts']['threads']['end']} (per process of each lasting role, summed; medians of the first and last three samples after "
+        "warm-up; flat: within 5 %).",
         f"p99 latency: {seconds(latency['first_p99_s'])} in the first {latency['window_s'] / 60:.0f} min, {seconds(latency['last_p99_s'])} in the last "
         f"(ratio {latency['ratio']:.2f})."
         if latency["ratio"]

@@ -134,9 +134,16 @@ def memory_trends(samples: list[dict], field: str) -> dict[str, dict]:
     }
 
 
-def totals(samples: list[dict], field: str) -> list[int]:
-    """`field` (fds, threads) summed over the server's lasting processes, per sample."""
-    return [sum(v[field] for name, v in s["roles"].items() if name not in TRANSIENT) for s in samples]
+# Bounded by Ray: its log monitor keeps the log files of workers started so far open, up to
+# RAY_LOG_MONITOR_MAX_OPEN_FILES; every actor a fault restarts or an add starts adds some.
+RAY_BOUNDED = ("ray log_monitor",)
+
+
+def totals(samples: list[dict], field: str) -> list[float]:
+    """`field` (fds, threads) per sample: summed over the server's lasting roles, each role's per
+    process (an add or a swap runs a second version's shard actors for a while, a compact ends
+    some: their count changes by design, each one's descriptors should not grow)."""
+    return [sum(v[field] / v["processes"] for name, v in s["roles"].items() if name not in TRANSIENT + RAY_BOUNDED) for s in samples]
 
 
 def counts_growth(samples: list[dict], field: str) -> dict:
