@@ -130,6 +130,7 @@ def main() -> None:
     config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
     config.pop("port")
     config["knn"]["datastore_root"] = str(args.work / "root")
+    (args.work / "server").mkdir(exist_ok=True)
     record = {**run_record("vector_stores"), "package": args.package, "modules": len(stored), "control_modules": len(control)}
     with RunningServer(config, args.work / "server") as server:
         client = server.openai_client()

@@ -13,7 +13,7 @@ import openai
 import pytest
 import requests
 import yaml
-from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy
+from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy, until
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -98,6 +98,54 @@ def test_files_are_created_listed_read_and_deleted(server):
     assert alice.files.delete(made.id).deleted
     with pytest.raises(openai.NotFoundError):
         alice.files.retrieve(made.id)
+
+
+def test_expires_after_sets_when_a_file_and_a_store_expire(server):
+    """OpenAI's anchors: a file expires `seconds` after its creation, a store `days` after it was last
+    active (an attach makes it active); an out-of-bounds expiry is refused naming the field."""
+    alice = client(server, "alice")
+    made = alice.files.create(file=("brief.txt", b"A short brief.\n"), purpose="assistants", expires_after={"anchor": "created_at", "seconds": 3600})
+    assert made.expires_at == made.created_at + 3600 == alice.files.retrieve(made.id).expires_at
+    store = alice.vector_stores.create(name="brief", expires_after={"anchor": "last_active_at", "days": 2})
+    assert store.expires_at == store.last_active_at + 2 * 86400 and store.status == "completed"
+    with pytest.raises(openai.BadRequestError) as refused:
+        alice.files.create(file=("brief.txt", b"A short brief.\n"), purpose="assistants", expires_after={"anchor": "created_at", "seconds": 60})
+    assert refused.value.body["param"] == "expires_after"
+    alice.vector_stores.delete(store.id)
+    alice.files.delete(made.id)
+
+
+def test_an_expired_store_and_file_are_deleted_with_everything_written_for_them(tiny_model_dir, tmp_path, monkeypatch):
+    """The server's expiry pass, in this process over its own root, with the clock moved a day
+    and an hour ahead (no test can wait that long): the expired store goes with its datastore and
+    its texts, the expired file with its bytes, and no file below the root holds the text; a store
+    without `expires_after` stays."""
+    import time
+
+    from knnlm_core.config import KnnConfig
+    from knnlm_core.config.serve import FilesConfig
+    from knnlm_serve.runtime import ServedModel
+    from knnlm_serve.server.document_jobs import DocumentJobs
+    from knnlm_serve.server.registry import DatastoreRegistry
+    from knnlm_serve.server.vector_stores import VectorStores
+
+    registry = DatastoreRegistry(KnnConfig(backend="local", datastore_root=str(tmp_path)), ServedModel.inspect(tiny_model_dir), None)
+    stores = VectorStores(registry, DocumentJobs(), FilesConfig())
+    stores.start()
+    kept = stores.create(None, "kept", {}, None)
+    store = stores.create(None, "handbook", {}, {"anchor": "last_active_at", "days": 1})
+    stored = stores.files.create(None, "handbook.md", "assistants", (FACT + ENDING).encode(), {"anchor": "created_at", "seconds": 3600})
+    stores.attach(store, stored, {}, {})
+    until(lambda: store.files[stored.id].status != "in_progress", 120, "the file's indexing")
+    assert store.files[stored.id].status == "completed" and store.id in registry.runtime.datastores
+    stores.expire()
+    assert store.id in stores.stores and stores.files.by_id(stored.id) is not None, "nothing has expired yet"
+    later = time.time() + 86400 + 3600 + 1
+    monkeypatch.setattr(time, "time", lambda: later)
+    stores.expire()
+    assert list(stores.stores) == [kept.id] and stores.files.by_id(stored.id) is None
+    assert store.id not in registry.runtime.datastores and not (stores.folder / store.id).exists()
+    assert below(tmp_path, FACT) == []
 
 
 def test_an_uploaded_file_is_searched_and_recalled_through_its_store(server, alices_store, tiny_model_dir):
