@@ -12,7 +12,8 @@ The server is configs/default.yaml's (SmolLM2, the embedded datastore beside), w
   * search: the corpus split over 10 stores; `vector_stores.search` latency, p50 and p99, over the items' questions;
   * exact match: "Which name does this?" questions (`knnlm-eval items`, chat forms) about the
     package's documentation, uploaded one file per module to one store, asked through
-    `responses.create` with the store's `file_search` and without any tool; a reply matches
+    `responses.create` with the store's `file_search`, with `file_search` over the ten stores of
+    the search part (the several-stores rule against one store), and without any tool; a reply matches
     where it names the answer as a whole word (knnlm_serve/eval/tasks.py's rule); the control
     items are about modules not uploaded.
 Many small stores on one server: benchmarks/many_vector_stores.py.
@@ -69,7 +70,8 @@ def uploads(client, text: str) -> dict:
     return out
 
 
-def searches(client, docs: Path, questions: list[str], stores: int = 10) -> dict:
+def split_stores(client, docs: Path, stores: int = 10) -> list[str]:
+    """The corpus's files dealt over `stores` new stores, one batch each."""
     files = sorted(docs.glob("*.txt"))
     ids = []
     for n in range(stores):
@@ -79,31 +81,39 @@ def searches(client, docs: Path, questions: list[str], stores: int = 10) -> dict
         )
         assert batch.file_counts.completed == batch.file_counts.total
         ids.append(store.id)
+    return ids
+
+
+def searches(client, ids: list[str], questions: list[str]) -> dict:
     seconds = []
     for n, question in enumerate(questions):
         started = time.monotonic()
-        client.vector_stores.search(ids[n % stores], query=question, max_num_results=5)
+        client.vector_stores.search(ids[n % len(ids)], query=question, max_num_results=5)
         seconds.append(time.monotonic() - started)
-    for store in ids:
-        client.vector_stores.delete(store)
     seconds.sort()
     return {
-        "stores": stores,
+        "stores": len(ids),
         "searches": len(seconds),
         "p50_ms": round(1000 * statistics.median(seconds), 1),
         "p99_ms": round(1000 * seconds[int(0.99 * (len(seconds) - 1))], 1),
     }
 
 
-def exact_match(client, docs: Path, items: list, model: str) -> dict:
+def exact_match(client, docs: Path, items: list, model: str, parts: list[str]) -> dict:
+    """Each item without a tool, with `file_search` over one store of the whole corpus, and over
+    the same corpus dealt over `parts` (passages ranked across them; kNN from the best passage's store)."""
     store = client.vector_stores.create(name="docs")
     batch = client.vector_stores.file_batches.upload_and_poll(
         vector_store_id=store.id, files=[(f.name, f.read_bytes()) for f in sorted(docs.glob("*.txt"))]
     )
-    tools = [{"type": "file_search", "vector_store_ids": [store.id], "max_num_results": 1}]
+    settings = {
+        "plain": {},
+        "file_search": {"tools": [{"type": "file_search", "vector_store_ids": [store.id], "max_num_results": 1}]},
+        f"file_search_{len(parts)}_stores": {"tools": [{"type": "file_search", "vector_store_ids": parts, "max_num_results": 1}]},
+    }
     kinds: dict[str, dict[str, list[bool]]] = {}
     for item in items:
-        for setting, extra in (("plain", {}), ("file_search", {"tools": tools})):
+        for setting, extra in settings.items():
             reply = client.responses.create(model=model, input=item.prompt, max_output_tokens=REPLY_TOKENS, temperature=0, **extra)
             kinds.setdefault(item.kind, {}).setdefault(setting, []).append(names(reply.output_text, item.answer))
     client.vector_stores.delete(store.id)
@@ -135,10 +145,13 @@ def main() -> None:
     with RunningServer(config, args.work / "server") as server:
         client = server.openai_client()
         record["upload"] = uploads(client, corpus_text(docs))
-        record["search"] = searches(client, docs, [i.prompt for i in items])
+        parts = split_stores(client, docs)
+        record["search"] = searches(client, parts, [i.prompt for i in items])
         print(record["search"], flush=True)
-        record["exact_match"] = exact_match(client, docs, items, config["served_model_name"])
+        record["exact_match"] = exact_match(client, docs, items, config["served_model_name"], parts)
         print(json.dumps(record["exact_match"], indent=1), flush=True)
+        for store in parts:
+            client.vector_stores.delete(store)
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     plot(record, args.out.with_suffix(".png"))
 
@@ -151,10 +164,12 @@ def plot(record: dict, path: Path) -> None:
 
     kinds = sorted(record["exact_match"]["kinds"])
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for n, setting in enumerate(("plain", "file_search")):
+    settings = list(record["exact_match"]["kinds"][kinds[0]])
+    width = 0.8 / len(settings)
+    for n, setting in enumerate(settings):
         values = [record["exact_match"]["kinds"][k].get(setting, {}).get("exact", 0) for k in kinds]
-        left.bar([x + 0.4 * n for x in range(len(kinds))], values, width=0.4, label=setting)
-    left.set_xticks([x + 0.2 for x in range(len(kinds))], kinds, rotation=20, fontsize=8)
+        left.bar([x + width * n for x in range(len(kinds))], values, width=width, label=setting)
+    left.set_xticks([x + 0.4 - width / 2 for x in range(len(kinds))], kinds, rotation=20, fontsize=8)
     left.set_ylim(0, 1)
     left.set_ylabel("exact match")
     left.set_title(f"questions about {record['package']}'s docs (uploaded)")

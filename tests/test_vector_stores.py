@@ -104,12 +104,16 @@ def test_expires_after_sets_when_a_file_and_a_store_expire(server):
     """OpenAI's anchors: a file expires `seconds` after its creation, a store `days` after it was last
     active (an attach makes it active); an out-of-bounds expiry is refused naming the field."""
     alice = client(server, "alice")
-    made = alice.files.create(file=("brief.txt", b"A short brief.\n"), purpose="assistants", expires_after={"anchor": "created_at", "seconds": 3600})
+    made = alice.files.create(
+        file=("brief.txt", b"A short brief.\n"), purpose="assistants", expires_after={"anchor": "created_at", "seconds": 3600}
+    )
     assert made.expires_at == made.created_at + 3600 == alice.files.retrieve(made.id).expires_at
     store = alice.vector_stores.create(name="brief", expires_after={"anchor": "last_active_at", "days": 2})
     assert store.expires_at == store.last_active_at + 2 * 86400 and store.status == "completed"
     with pytest.raises(openai.BadRequestError) as refused:
-        alice.files.create(file=("brief.txt", b"A short brief.\n"), purpose="assistants", expires_after={"anchor": "created_at", "seconds": 60})
+        alice.files.create(
+            file=("brief.txt", b"A short brief.\n"), purpose="assistants", expires_after={"anchor": "created_at", "seconds": 60}
+        )
     assert refused.value.body["param"] == "expires_after"
     alice.vector_stores.delete(store.id)
     alice.files.delete(made.id)
@@ -263,11 +267,30 @@ def test_file_search_puts_the_stores_passages_in_the_answer_and_names_the_file(s
     # The passage went into the prompt: the same question costs more prompt tokens with the tool.
     plain = alice.responses.create(model="tiny", input=question, max_output_tokens=8, temperature=0)
     assert asked.usage.input_tokens > plain.usage.input_tokens + 20
-    # Without `include`, the call's results are left out; streamed, the completed response carries the same.
+    # Without `include`, the call's results are left out.
     assert alice.responses.create(model="tiny", input=question, tools=tools, max_output_tokens=4).output[0].results is None
-    with alice.responses.stream(model="tiny", input=question, tools=tools, max_output_tokens=4) as stream:
+    # Streamed as OpenAI streams it: the call's own events first at output index 0, the message's
+    # at 1 with its citation, numbered in order; the client's stream helper builds the same response.
+    with alice.responses.stream(model="tiny", input=question, tools=tools, max_output_tokens=4, temperature=0) as stream:
+        events = list(stream)
         final = stream.get_final_response()
-    assert final.output[0].type == "file_search_call" and final.output[-1].content[0].annotations[0].file_id == done.id
+    kinds = [e.type for e in events]
+    assert kinds[2:7] == [
+        "response.output_item.added",
+        "response.file_search_call.in_progress",
+        "response.file_search_call.searching",
+        "response.file_search_call.completed",
+        "response.output_item.done",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert {
+        e.output_index for e in events if getattr(e, "output_index", None) is not None and e.type.startswith("response.output_text")
+    } == {1}
+    (added,) = [e for e in events if e.type == "response.output_text.annotation.added"]
+    assert added.annotation.file_id == done.id and kinds.index(added.type) < kinds.index("response.output_text.done")
+    assert [item.type for item in final.output] == ["file_search_call", "message"]
+    assert final.output[1].content[0].annotations[0].file_id == done.id
+    assert final.output[1].content[0].text == asked.output[1].content[0].text[: len(final.output[1].content[0].text)]
     # Another key naming the store gets what a store that does not exist gets.
     bob = [
         requests.post(

@@ -7,7 +7,7 @@ go into the request's `instructions` while they fit the model's length; the tool
 has none of that name), and kNN mixes from the store of the best passage (`knn_datastore`,
 unless the request names one). The response gets a `file_search_call` output item (its `results`
 when `include` asks for `file_search_call.results`) and a `file_citation` annotation per file
-used on each output text; a stream gets them in its `response.completed` event.
+used on each output text; a stream gets them as OpenAI streams them (`SearchEvents`).
 """
 
 from __future__ import annotations
@@ -125,24 +125,28 @@ def fitting(ranked: list, request: dict, query: str, tokenizer, max_model_len: i
 
 def answered(response: dict, search: FileSearch) -> dict:
     """The response with the file_search_call item first and the citations on its output texts."""
-    output = [search.call]
-    for item in response.get("output") or []:
-        if isinstance(item, dict) and item.get("type") == "message":
-            content = []
-            for part in item.get("content") or []:
-                if isinstance(part, dict) and part.get("type") == "output_text":
-                    index = len(part.get("text") or "")
-                    part = {**part, "annotations": [*(part.get("annotations") or []), *({**c, "index": index} for c in search.cited)]}
-                content.append(part)
-            item = {**item, "content": content}
-        output.append(item)
-    return {**response, "output": output}
+    return {**response, "output": [search.call, *(cited(item, search) for item in response.get("output") or [])]}
+
+
+def cited(item, search: FileSearch):
+    """A message item with the citations on each of its output texts (any other item as it is)."""
+    if not isinstance(item, dict) or item.get("type") != "message":
+        return item
+    return {**item, "content": [_cited_text(part, search) for part in item.get("content") or []]}
+
+
+def _cited_text(part, search: FileSearch):
+    if not isinstance(part, dict) or part.get("type") != "output_text":
+        return part
+    index = len(part.get("text") or "")
+    return {**part, "annotations": [*(part.get("annotations") or []), *({**c, "index": index} for c in search.cited)]}
 
 
 def answering(send, search: FileSearch, stream: bool):
-    """`send` with the response's JSON (or a stream's `response.completed` event) answered; an
+    """`send` with the response's JSON (or its stream's events, `SearchEvents`) answered; an
     error response is passed on as it is."""
     state = {"refused": False, "start": None, "body": b"", "events": b""}
+    events = SearchEvents(search)
 
     async def sending(message):
         if message["type"] == "http.response.start":
@@ -156,7 +160,7 @@ def answering(send, search: FileSearch, stream: bool):
         if stream:
             state["events"] += message.get("body", b"")
             *whole, state["events"] = state["events"].split(b"\n\n")
-            body = b"".join(_event(e, search) + b"\n\n" for e in whole)
+            body = b"".join(events.rewritten(e) for e in whole)
             if not message.get("more_body", False):
                 body += state["events"]
             return await send({**message, "body": body})
@@ -174,12 +178,62 @@ def answering(send, search: FileSearch, stream: bool):
     return sending
 
 
-def _event(event: bytes, search: FileSearch) -> bytes:
-    """One server-sent event, its `response.completed` data answered."""
-    lines = event.split(b"\n")
-    for n, line in enumerate(lines):
-        if line.startswith(b"data: {") and b'"response.completed"' in line:
-            data = json.loads(line[len(b"data: ") :])
-            if data.get("type") == "response.completed" and isinstance(data.get("response"), dict):
-                lines[n] = b"data: " + json.dumps({**data, "response": answered(data["response"], search)}).encode()
-    return b"\n".join(lines)
+class SearchEvents:
+    """A Responses stream's events as OpenAI streams a file_search: the file_search_call item's
+    events at output index 0 after `response.in_progress` (the search is done by then), every
+    later item one index on, a `file_citation` per file on each message's output text (an
+    `annotation.added` event each before its `output_text.done`, and in the `done` events), and
+    the events numbered again."""
+
+    def __init__(self, search: FileSearch):
+        self.search, self.called, self.sequence = search, False, 0
+
+    def rewritten(self, event: bytes) -> bytes:
+        """One server-sent event (without its blank line) as the events it becomes, each ended."""
+        data = next((json.loads(line[len(b"data: ") :]) for line in event.split(b"\n") if line.startswith(b"data: {")), None)
+        if not isinstance(data, dict):
+            return event + b"\n\n"
+        kind, out = data.get("type"), []
+        if not self.called and (kind == "response.in_progress" or "output_index" in data):
+            self.called = True
+            if kind == "response.in_progress":
+                return b"".join(self._sse(d) for d in [data, *self._call_events()])
+            out = self._call_events()
+        if "output_index" in data:
+            data["output_index"] += 1
+        if kind == "response.output_text.done":
+            index = len(data.get("text") or "")
+            out += [
+                {
+                    **self._at(data),
+                    "type": "response.output_text.annotation.added",
+                    "annotation_index": n,
+                    "annotation": {**c, "index": index},
+                }
+                for n, c in enumerate(self.search.cited)
+            ]
+        elif kind == "response.content_part.done":
+            data["part"] = _cited_text(data.get("part"), self.search)
+        elif kind == "response.output_item.done":
+            data["item"] = cited(data.get("item"), self.search)
+        elif kind == "response.completed" and isinstance(data.get("response"), dict):
+            data["response"] = answered(data["response"], self.search)
+        return b"".join(self._sse(d) for d in [*out, data])
+
+    def _call_events(self) -> list[dict]:
+        call = self.search.call
+        at = {"output_index": 0, "item_id": call["id"]}
+        return [
+            {"type": "response.output_item.added", "output_index": 0, "item": {**call, "status": "in_progress", "results": None}},
+            *({"type": f"response.file_search_call.{phase}", **at} for phase in ("in_progress", "searching", "completed")),
+            {"type": "response.output_item.done", "output_index": 0, "item": call},
+        ]
+
+    @staticmethod
+    def _at(data: dict) -> dict:
+        return {k: data[k] for k in ("item_id", "output_index", "content_index") if k in data}
+
+    def _sse(self, data: dict) -> bytes:
+        data = {**data, "sequence_number": self.sequence}
+        self.sequence += 1
+        return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
