@@ -14,8 +14,8 @@ same keys, as IVF-PQ with the project's `index_factory_string("ivfpq", entries, 
 under `--workdir` and reused when their parameters match.
 
 Each cell times the in-process backend and a Ray one in turn on the same queries: first plain
-actor calls (`knn.compiled_graphs: false`, the default where shard actors share cores, with no
-graph on the actors), then `RayRetriever` on its compiled graphs (one per shard, torn down
+actor calls (`knn.compiled_graphs: false`, the default, with no graph on the
+actors), then `RayRetriever` on its compiled graphs (one per shard, torn down
 before the next layout). Ray's overhead is reported two ways (`ray_overhead_p50_ms`, both
 transports): the transport, per call the round trip minus the slowest shard's own search time
 (what Ray adds to a step beyond the search), and ray p50 - local p50 of the same cell, which also
@@ -589,7 +589,7 @@ def overhead_summary(cells: list[dict]) -> dict:
         "what": "Ray overhead over in-process search (ms). transport: per call, the round trip minus the slowest "
         "shard's own search time in it, p50 (the fan-out, channels or object store, the wait and the merge); "
         "minus_local: ray p50 - local p50 of the same cell, which also counts the search running slower or faster "
-        "in the actors than in this process. compiled_graphs: knn.compiled_graphs true (the default where each shard actor has a core); plain_calls: false; "
+        "in the actors than in this process. compiled_graphs: knn.compiled_graphs true; plain_calls: false (the default); "
         "bare_graph (1 shard): Ray's own floor, a compiled graph to an actor that returns arrays of the answer's shape after "
         "busy-waiting the shard's search time, timed in turn with the same in-process search: compiled_graphs minus bare_graph is our code's share",
         "transport": {

@@ -48,8 +48,9 @@ def root(tiny_model_dir, tmp_path_factory, smollm2_dir):
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, root):
     """Datastore drafts on (knn.draft_tokens): hot-swaps, explanations and shard faults are tested
-    under speculative decoding."""
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": admin_knn(root, TOKEN, draft_tokens=4)}, root) as server:
+    under speculative decoding; compiled graphs where each shard actor has a core to itself."""
+    knn = admin_knn(root, TOKEN, draft_tokens=4, compiled_graphs="auto")
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
         yield server
 
 
@@ -367,8 +368,8 @@ def test_shard_actors_search_off_the_models_cores(server):
         time.sleep(0.5)
 
 
-def test_by_default_compiled_graphs_where_each_shard_actor_has_a_core_to_itself(server, ids):
-    """knn.compiled_graphs unset: a datastore whose shard actors have a core each outside the
+def test_automatic_compiled_graphs_where_each_shard_actor_has_a_core_to_itself(server, ids):
+    """knn.compiled_graphs auto: a datastore whose shard actors have a core each outside the
     model's answers through Ray Compiled Graphs once they are built, with the same tokens; one with
     more actors than such cores stays on plain calls (a graph's reader polls its core)."""
     import os

@@ -58,7 +58,7 @@ def knn(**overrides) -> KnnConfig:
             "gpu": False,
             "shard_threads": 1,
             "shard_timeout_s": TIMEOUT_S,
-            "compiled_graphs": False,  # plain calls unless a test says otherwise (the default decides per version)
+            "compiled_graphs": False,  # plain calls (the default) unless a test says otherwise
             **overrides,
         }
     )
@@ -166,14 +166,14 @@ def test_release_tears_the_graphs_down_without_waiting(stores, retriever):
     compiled(retriever, info)
 
 
-def test_by_default_compiled_graphs_only_where_each_shard_actor_has_a_core_of_its_own(stores, ray_session):
-    """knn.compiled_graphs unset: a version's actors get graphs when, on their node, they and the
+def test_automatic_compiled_graphs_only_where_each_shard_actor_has_a_core_of_its_own(stores, ray_session):
+    """knn.compiled_graphs auto: a version's actors get graphs when, on their node, they and the
     actors of the versions given graphs before are no more than the CPUs left once the engine has
     one (this process binds none): every graph's reader polls a core, so more of them than spare
     cores would take the engine's. The others stay on plain calls for good, and both answer as
     in-process."""
     spare = len(os.sched_getaffinity(0)) - 1
-    retriever = RayRetriever(knn(compiled_graphs=None, shard_timeout_s=5.0), None)
+    retriever = RayRetriever(knn(compiled_graphs="auto", shard_timeout_s=5.0), None)
     started, polling = [], 0
     try:
         for name in ("one", "two"):

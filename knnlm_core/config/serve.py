@@ -120,12 +120,13 @@ class KnnConfig(_Strict):
     mmap: bool = Field(
         True, description="shard indexes are memory-mapped read-only, not read: fast loads, pages shared by actors on one node"
     )
-    compiled_graphs: bool | None = Field(
-        None,
+    compiled_graphs: bool | Literal["auto"] = Field(
+        False,
         description="reach shard actors through Ray Compiled Graphs (shared-memory channels: a cheaper round trip than "
-        "plain actor calls), but every graph's reader polls a core while it exists; "
-        "default: where each of a datastore version's shard actors has a core to itself (on its node, no more "
-        "actors than CPUs outside the engine's: its bound cores, or one where it binds none)",
+        "plain actor calls), but every graph's reader polls a core while it exists, and Ray keeps each torn-down graph's "
+        "shared memory until it shuts down (a graph is rebuilt after idling, for each new version and each restarted "
+        "actor); auto: where each of a datastore version's shard actors has a core to itself (on its node, no more "
+        "actors than CPUs outside the engine's: its bound cores, or one where it binds none); default: plain calls",
     )
     graph_idle_s: float = Field(
         10.0,

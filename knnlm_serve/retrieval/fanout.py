@@ -73,7 +73,7 @@ class RayRetriever:
 
     def plain_shards(self, info: DatastoreInfo) -> list[str]:
         """The shards of this version whose every replica is searched through plain calls for good
-        (`knn.compiled_graphs` false, or unset and no core for each actor)."""
+        (`knn.compiled_graphs` false, or auto and no core for each actor)."""
         return self.graphs.shards_where(info, lambda graph: not self.graphs.compiled or graph is PLAIN)
 
     def search(self, info: DatastoreInfo, queries: np.ndarray, k: int, nprobe: int | None, pointers=None) -> SearchResult:

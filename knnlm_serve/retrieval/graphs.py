@@ -6,7 +6,7 @@ per actor, not one over all shards, so that each shard keeps its own deadline an
 shard fails alone.
 
 A graph's reader busy-waits between steps and holds a core while it exists, so:
-- with `knn.compiled_graphs` unset, a version gets graphs only where each of its actors has a core
+- with `knn.compiled_graphs: auto`, a version gets graphs only where each of its actors has a core
   to itself (`_core_each`), and is served by plain calls for good otherwise;
 - a version's graphs are parked (torn down) once no search has used them for `knn.graph_idle_s`,
   and rebuilt at its next search.
@@ -51,7 +51,7 @@ class GraphPool:
 
     def __init__(self, knn: KnnConfig):
         self.knn = knn
-        self.compiled = knn.compiled_graphs is not False  # None: per version, where `_core_each` holds
+        self.compiled = knn.compiled_graphs is not False  # "auto": per version, where `_core_each` holds
         self._engine_node: str | None = None
         self._core_each_of: dict[tuple[str, int], bool] = {}  # version -> whether its actors have a core each
         self._polling: dict[tuple[str, int], Counter] = {}  # versions given graphs -> their actors per node
@@ -206,7 +206,7 @@ class GraphPool:
                     return
                 actor = self._actors[key][slot[0]][slot[1]]
             try:
-                if self.knn.compiled_graphs is None and not self._core_each(key):
+                if self.knn.compiled_graphs == "auto" and not self._core_each(key):
                     with self._lock:
                         if key in self._graphs and self._graphs[key][slot] is None:
                             self._graphs[key][slot] = PLAIN
