@@ -2,7 +2,7 @@
 upload costs until it serves, what a search costs among ten stores, and whether `file_search`
 answers questions about the uploaded documentation.
 
-    .venv/bin/python benchmarks/vector_stores.py                 # ~30 min on 2 CPU cores
+    .venv/bin/python benchmarks/vector_stores.py --sizes 10KB 100KB    # ~40 min on 2 CPU cores
 
 The server is configs/default.yaml's (SmolLM2, the embedded datastore beside), with
 `knn.datastore_root` in a work directory. In one run:
@@ -58,9 +58,10 @@ def upload_seconds(client, text: str, store_id: str | None = None) -> tuple[floa
     return time.monotonic() - started, store_id
 
 
-def uploads(client, text: str) -> dict:
+def uploads(client, text: str, sizes: list[str]) -> dict:
     out = {}
-    for name, size in SIZES.items():
+    for name in sizes:
+        size = SIZES[name]
         chunk = (text * (1 + size // max(len(text), 1)))[:size]
         built, store = upload_seconds(client, chunk)
         added, _ = upload_seconds(client, chunk[::-1][: size // 2] + chunk[: size // 2][::-1], store)  # other text, same size
@@ -129,6 +130,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/knnlm-vector-stores"))
     parser.add_argument("--limit", type=int, default=30, help="stored names asked about")
     parser.add_argument("--control-limit", type=int, default=15)
+    parser.add_argument(
+        "--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="upload sizes to time (1MB: about an hour each way here)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vector_stores.json")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -144,7 +148,7 @@ def main() -> None:
     record = {**run_record("vector_stores"), "package": args.package, "modules": len(stored), "control_modules": len(control)}
     with RunningServer(config, args.work / "server") as server:
         client = server.openai_client()
-        record["upload"] = uploads(client, corpus_text(docs))
+        record["upload"] = uploads(client, corpus_text(docs), args.sizes)
         parts = split_stores(client, docs)
         record["search"] = searches(client, parts, [i.prompt for i in items])
         print(record["search"], flush=True)

@@ -26,6 +26,7 @@ from knnlm_core.vector_store_records import (
     StoredFile,
     StoreFile,
     VectorStore,
+    new_store_id,
     save_store,
     store_texts,
     write_documents,
@@ -51,7 +52,7 @@ def build_vector_store(
     if not files:
         raise CorpusError(f"no files in {', '.join(map(str, inputs))}: give text files or folders of them")
     now = int(time.time())
-    store = VectorStore(f"vs_{secrets.token_hex(12)}", owner, name, now, now)
+    store = VectorStore(new_store_id(), owner, name, now, now)
     (root / FILES).mkdir(parents=True, exist_ok=True)
     written = []
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +23,15 @@ from knnlm_core.files import write_json_atomic, write_text_atomic
 DAY = 86400
 FILES = ".knnlm-files"
 VECTOR_STORES = ".knnlm-vector-stores"
+STORE_ID_PREFIX = "vs_"  # a vector store's id, and the name its datastore is served under
+
+
+def new_store_id() -> str:
+    return f"{STORE_ID_PREFIX}{secrets.token_hex(12)}"
+
+
+def is_vector_store(name: str) -> bool:
+    return name.startswith(STORE_ID_PREFIX)
 
 
 @dataclass(frozen=True)

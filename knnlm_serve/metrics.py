@@ -11,6 +11,8 @@ from functools import cache
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from knnlm_core.vector_store_records import is_vector_store
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 RETRIEVAL_STEPS = Counter("knnlm_retrieval_steps", "logits computations (steps) that queried a datastore", ["datastore"])
@@ -168,6 +170,14 @@ def count(metric, n: int, *labels: str) -> None:
     counter = child(metric, *labels)
     if n:
         counter.inc(n)
+
+
+def datastore_label(name: str) -> str:
+    """A datastore's label: its name, or `vector_stores` for every vector store. Users create and
+    delete stores at will, and no series is ever removed (multiprocess files keep each one), so a
+    label per store would grow for as long as the server runs; a store's own figures are its
+    objects' (`file_counts`, `usage_bytes`)."""
+    return "vector_stores" if is_vector_store(name) else name
 
 
 def datastore_info_labels(info) -> tuple[str, ...]:

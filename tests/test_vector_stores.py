@@ -18,7 +18,7 @@ from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy, until
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
 from knnlm_core.keys_file import key_hash
-from knnlm_serve.server.process import RunningServer
+from knnlm_serve.server.process import RunningServer, metric_total, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -306,20 +306,20 @@ def test_file_search_puts_the_stores_passages_in_the_answer_and_names_the_file(s
 
 
 def test_a_store_whose_passages_cannot_be_read_answers_without_them_and_counts_it(server, root):
-    """Fail open: a damaged passage file fails no request; the answer has no results, and it is counted."""
-    from knnlm_serve.server.process import scrape_metrics
-
+    """Fail open: a damaged passage file fails no request; the answer has no results, and it is
+    counted (under every vector store's one label)."""
     alice = client(server, "alice")
     store = alice.vector_stores.create(name="damaged")
     alice.vector_stores.files.upload_and_poll(vector_store_id=store.id, file=("d.txt", b"The damaged store once held notes on the kiln."))
     (root / ".knnlm-vector-stores" / store.id / "datastore" / "passages.sqlite").write_bytes(b"not a database" * 100)
-    key = f'knnlm_context_failures_total{{datastore="{store.id}"}}'
+    key = 'knnlm_context_failures_total{datastore="vector_stores"}'
+    before = scrape_metrics(server.base_url).get(key, 0)
     tools = [{"type": "file_search", "vector_store_ids": [store.id]}]
     asked = alice.responses.create(
         model="tiny", input="What did the kiln notes say?", tools=tools, include=["file_search_call.results"], max_output_tokens=4
     )
     assert asked.output[0].type == "file_search_call" and asked.output[0].results == []
-    assert scrape_metrics(server.base_url).get(key, 0) == 1
+    assert scrape_metrics(server.base_url).get(key, 0) == before + 1
     alice.vector_stores.delete(store.id)
 
 
@@ -397,3 +397,21 @@ def test_a_detached_and_deleted_file_leaves_no_copy_of_its_text(server, root, al
     alice.vector_stores.delete(store.id)
     assert not (root / ".knnlm-vector-stores" / store.id).exists()
     assert [p.parent.name for p in below(root, "mill wheel")] == [".knnlm-files"]  # the upload itself, until it is deleted
+
+
+def test_metrics_count_every_vector_store_under_one_label_and_name_none(server):
+    """Stores come and go at users' will and no series is ever removed: a store's requests,
+    searches and jobs are counted under `datastore="vector_stores"`, and no series names its id."""
+    alice = client(server, "alice")
+    store = alice.vector_stores.create(name="counted")
+    alice.vector_stores.files.upload_and_poll(vector_store_id=store.id, file=("c.txt", b"The counted store holds a note on the ferry."))
+    before = scrape_metrics(server.base_url)
+    greedy(server, [1, 2, 3], 2, api_key=KEYS["alice"], knn_datastore=store.id, knn_skip_threshold=1.0)  # every row searched
+    text = requests.get(f"{server.base_url}/metrics", timeout=30).text
+    assert store.id not in text and "vs_" not in text
+    after = scrape_metrics(server.base_url)
+    label = 'datastore="vector_stores"'
+    assert after[f"knnlm_requests_total{{{label}}}"] == before.get(f"knnlm_requests_total{{{label}}}", 0) + 1
+    assert metric_total(after, rf"knnlm_retrieval_steps_total\{{{label}") > metric_total(before, rf"knnlm_retrieval_steps_total\{{{label}")
+    assert metric_total(after, rf'knnlm_document_jobs_total\{{{label},job="build",result="done"') >= 1
+    alice.vector_stores.delete(store.id)

@@ -100,7 +100,7 @@ class DatastoreDrafter:
                     drafts[slot], sources[slot] = from_context[slot], "context"
         for request_id, request, draft, source in zip(ids, requests, drafts, sources):
             if draft:
-                datastore = request.pinned.name if request.pinned is not None else "none"
+                datastore = metrics.datastore_label(request.pinned.name) if request.pinned is not None else "none"
                 self._proposed[request_id] = Proposed(datastore, source, len(request.output_tokens), draft)
                 metrics.child(metrics.DRAFTS, datastore, source).inc()
                 metrics.child(metrics.DRAFT_TOKENS, datastore, source).inc(len(draft))

@@ -43,7 +43,7 @@ class Faults:
         if cause not in self._logged:
             self._logged.add(cause)
             logger.error("kNN failed in %s; serving the affected rows LM-only (logged once per cause)", where, exc_info=error)
-        metrics.child(metrics.FALLBACKS, version[0] if version else "", "error").inc(rows)
+        metrics.child(metrics.FALLBACKS, metrics.datastore_label(version[0]) if version else "", "error").inc(rows)
         if version is None:
             return
         self._streak[version] = self._streak.get(version, 0) + 1

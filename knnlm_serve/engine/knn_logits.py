@@ -160,7 +160,7 @@ class KnnLogits:
             info = plan.versions[key]
             failed = isinstance(plan.started.get(key), Exception) and self.first_rank.size == 1  # begun, failed (and counted)
             if not failed and key in self.faults.unhealthy:
-                metrics.child(metrics.FALLBACKS, info.name, "unhealthy").inc(len(group))
+                metrics.child(metrics.FALLBACKS, metrics.datastore_label(info.name), "unhealthy").inc(len(group))
                 failed = True
             if not failed:
                 try:
@@ -263,7 +263,7 @@ class KnnLogits:
             if not request.params.active or (rows.kept is not None and not rows.kept[row]):
                 continue
             if request.pinned is None:  # unloaded between admission and the request's first step
-                metrics.child(metrics.FALLBACKS, request.params.datastore, "datastore_unloaded").inc()
+                metrics.child(metrics.FALLBACKS, metrics.datastore_label(request.params.datastore), "datastore_unloaded").inc()
                 continue
             plan.versions[request.pinned.key] = request.pinned
             plan.groups.setdefault(request.pinned.key, []).append(row)

@@ -103,7 +103,7 @@ class KnnMixer:
         if bool((thresholds >= 1).all()):
             return list(range(len(params)))
         kept = np.flatnonzero(top <= thresholds).tolist()
-        metrics.count(metrics.SKIPPED_ROWS, len(params) - len(kept), datastore)
+        metrics.count(metrics.SKIPPED_ROWS, len(params) - len(kept), metrics.datastore_label(datastore))
         return kept
 
     def start(
@@ -134,6 +134,7 @@ class KnnMixer:
         given), or None when no shard answered (the rows are then served LM-only); `clock`: the
         step's, charged the wait, the metrics and the rest."""
         info, params, ks = rows.info, rows.params, rows.ks
+        label = metrics.datastore_label(info.name)
         served = len(params) if keep is None else len(keep)
         waiting = time.perf_counter()
         try:
@@ -144,31 +145,31 @@ class KnnMixer:
             result = e
         if clock is not None:
             clock.lap(Part.WAIT)
-        metrics.child(metrics.RETRIEVAL_WAIT_SECONDS, info.name).observe(rows.sending + time.perf_counter() - waiting)
+        metrics.child(metrics.RETRIEVAL_WAIT_SECONDS, label).observe(rows.sending + time.perf_counter() - waiting)
         if isinstance(result, RetrievalError):
-            metrics.child(metrics.FALLBACKS, info.name, result.reason).inc(served)
+            metrics.child(metrics.FALLBACKS, label, result.reason).inc(served)
             if served:
                 logger.warning("serving %d row(s) LM-only: %s", served, result)
             return None
-        metrics.child(metrics.RETRIEVAL_SECONDS, info.name).observe(time.perf_counter() - rows.started)
+        metrics.child(metrics.RETRIEVAL_SECONDS, label).observe(time.perf_counter() - rows.started)
         for shard, seconds in result.shard_seconds.items():
-            metrics.child(metrics.SHARD_SEARCH_SECONDS, info.name, shard).observe(seconds)
+            metrics.child(metrics.SHARD_SEARCH_SECONDS, label, shard).observe(seconds)
         for shard, transport in result.transports.items():
-            metrics.child(metrics.SHARD_ANSWERS, info.name, shard, transport).inc()
+            metrics.child(metrics.SHARD_ANSWERS, label, shard, transport).inc()
         if result.shard_seconds:
-            metrics.child(metrics.SLOWEST_SHARD_SECONDS, info.name).observe(max(result.shard_seconds.values()))
+            metrics.child(metrics.SLOWEST_SHARD_SECONDS, label).observe(max(result.shard_seconds.values()))
         for reason in result.failed_shards.values():
-            metrics.child(metrics.FALLBACKS, info.name, reason).inc(served)
+            metrics.child(metrics.FALLBACKS, label, reason).inc(served)
         follow = rows.follow
         if rows.links is not None:  # the linked rows that followed their previous row's pointers, as the shard did
             starts = self.document_starts(info)
             linked = [linked_candidates(rows.links, r, result.ids, result.tokens, starts) is not None for r in range(len(params))]
             follow = follow | np.array(linked, dtype=bool)
-        metrics.child(metrics.RETRIEVAL_STEPS, info.name).inc()
+        metrics.child(metrics.RETRIEVAL_STEPS, label).inc()
         followed = int(follow.sum())
-        metrics.count(metrics.QUERIES, len(follow) - followed, info.name)  # with overlap, rows the skip rule then dropped too
-        metrics.count(metrics.POINTER_ROWS, followed, info.name)
-        metrics.child(metrics.NEIGHBOURS, info.name).inc(int(ks.sum()))
+        metrics.count(metrics.QUERIES, len(follow) - followed, label)  # with overlap, rows the skip rule then dropped too
+        metrics.count(metrics.POINTER_ROWS, followed, label)
+        metrics.child(metrics.NEIGHBOURS, label).inc(int(ks.sum()))
         if clock is not None:
             clock.lap(Part.RECORD)
         distances, tokens, ids = result.distances, result.tokens, result.ids
@@ -210,7 +211,7 @@ class KnnMixer:
         """Mix p_kNN into `logits[rows]` in place, given those rows' LM log normalisers."""
         start = time.perf_counter()
         interpolate(logits, np.asarray(rows), log_z, found.distances, found.tokens, found.lambdas, found.temperatures)
-        metrics.child(metrics.INTERPOLATION_SECONDS, datastore).observe(time.perf_counter() - start)
+        metrics.child(metrics.INTERPOLATION_SECONDS, metrics.datastore_label(datastore)).observe(time.perf_counter() - start)
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -171,7 +171,7 @@ def _with_usage(scope, request: dict, path: str) -> dict:
 def _count(runtime, knobs: RequestKnobs) -> None:
     """Count the request under the datastore it is served from ('none': kNN off)."""
     params = with_defaults(knobs, runtime)  # refuses only a named datastore that is not served
-    metrics.REQUESTS.labels(params.datastore if params.active else "none").inc()
+    metrics.REQUESTS.labels(metrics.datastore_label(params.datastore) if params.active else "none").inc()
 
 
 def _with_context(state, registry, request: dict, chat: bool, count: int, name: str | None) -> tuple[dict, dict]:
@@ -198,7 +198,7 @@ def _with_context(state, registry, request: dict, chat: bool, count: int, name: 
         described = context.described(lambda document: origin(table, document, registry))
     except Exception as e:  # noqa: BLE001 - fail open: the request is served without passages, counted
         logger.warning("in-context retrieval from datastore %r failed, served without passages: %s", info.name, e)
-        metrics.CONTEXT_FAILURES.labels(info.name).inc()
+        metrics.CONTEXT_FAILURES.labels(metrics.datastore_label(info.name)).inc()
         context = ctx.Context(info.name, [], 0, 0, error=f"retrieval failed: {type(e).__name__}")
         described = context.described(None)
     request, ids = ctx.with_context(request, chat, context, tokenizer)

@@ -90,8 +90,9 @@ class DocumentJobs:
 
     def end(self, job: Job, started: float, error: str | None = None) -> None:
         job.state, job.error, job.seconds = ("failed" if error else "done"), error, round(time.monotonic() - started, 2)
-        metrics.DOCUMENT_JOBS.labels(job.datastore, job.kind, job.state).inc()
-        metrics.DOCUMENT_JOB_SECONDS.labels(job.datastore, job.kind).observe(job.seconds)
+        label = metrics.datastore_label(job.datastore)
+        metrics.DOCUMENT_JOBS.labels(label, job.kind, job.state).inc()
+        metrics.DOCUMENT_JOB_SECONDS.labels(label, job.kind).observe(job.seconds)
         with self._lock:
             self._busy.discard(job.datastore)
             ended = [i for i, j in self.jobs.items() if j.state != "running"]

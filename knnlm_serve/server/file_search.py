@@ -90,7 +90,7 @@ def _searched(stores, store, query: str, count: int) -> list[tuple[dict, str]]:
         return [(r, store.id) for r in search_store(stores, store, query, count, gated=True)]
     except Exception as e:  # noqa: BLE001 - a damaged passage file must not fail the request
         logger.warning("file_search in vector store %s failed, answered without its passages: %s", store.id, e)
-        metrics.CONTEXT_FAILURES.labels(store.id).inc()
+        metrics.CONTEXT_FAILURES.labels(metrics.datastore_label(store.id)).inc()
         return []
 
 

@@ -24,7 +24,7 @@ from knnlm_core.config import KeyType, KnnConfig, datastore_name_problem
 from knnlm_core.datastore import verify_checksums
 from knnlm_core.errors import DatastoreError, ErrorKind
 from knnlm_core.provenance import check_served_files
-from knnlm_core.vector_store_records import is_store_datastore
+from knnlm_core.vector_store_records import is_store_datastore, is_vector_store
 from knnlm_serve import metrics
 from knnlm_serve.runtime import DatastoreInfo, Runtime, ServedModel, check_datastore, mix_defaults
 from knnlm_serve.server.shard_health import ShardPids
@@ -130,12 +130,12 @@ class DatastoreRegistry:
             except Exception:  # a check, an actor start, the probe or the workers' RPC (a timeout too): undo, raise as it came
                 if info is not None:
                     self._shard_pids.forget(self._actors.kill(info.key))
-                metrics.SWAPS.labels(name, "rejected").inc()
+                metrics.SWAPS.labels(metrics.datastore_label(name), "rejected").inc()
                 raise
             if old is not None:
                 self._retire(old)
-            metrics.SWAPS.labels(name, "swapped" if old else "loaded").inc()
-            metrics.SWAP_SECONDS.labels(name).observe(time.monotonic() - started)
+            metrics.SWAPS.labels(metrics.datastore_label(name), "swapped" if old else "loaded").inc()
+            metrics.SWAP_SECONDS.labels(metrics.datastore_label(name)).observe(time.monotonic() - started)
             return info
 
     def unload(self, name: str) -> None:
@@ -239,13 +239,15 @@ class DatastoreRegistry:
             self._engine.set_runtime(runtime)  # raises if the workers did not take it: nothing changed
         self.runtime = runtime
         # Multiprocess files keep every label set ever written: retire old ones with 0, not clear().
-        labels = {metrics.datastore_info_labels(i) for i in datastores.values()}
+        # A vector store's state is its own objects', not a series per store (metrics.datastore_label).
+        named = [i for i in datastores.values() if not is_vector_store(i.name)]
+        labels = {metrics.datastore_info_labels(i) for i in named}
         for old in self._info_labels - labels:
             metrics.DATASTORE_INFO.labels(*old).set(0)
         for new in labels:
             metrics.DATASTORE_INFO.labels(*new).set(1)
         self._info_labels = labels
-        for info in datastores.values():
+        for info in named:
             metrics.DATASTORE_HEALTHY.labels(info.name).set(0 if info.key in self._unhealthy else 1)
             if info.documents is not None:
                 metrics.DOCUMENTS.labels(info.name).set(info.documents)
@@ -285,7 +287,8 @@ class DatastoreRegistry:
             for key, error in unhealthy.items():
                 if key not in self._unhealthy and key in serving:
                     logger.error("datastore %s version %d is unhealthy, served LM-only until reloaded: %s", *key, self.public(error))
-                    metrics.DATASTORE_HEALTHY.labels(key[0]).set(0)
+                    if not is_vector_store(key[0]):
+                        metrics.DATASTORE_HEALTHY.labels(key[0]).set(0)
             self._unhealthy = {key: self.public(error) for key, error in unhealthy.items()}
             now = time.monotonic()
             for key, (_, retired_at) in list(self._retired.items()):

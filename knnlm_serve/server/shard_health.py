@@ -53,7 +53,7 @@ class ShardPids:
                 )
                 previous = self._pids.setdefault(entry["actor"], described["pid"])
                 if previous != described["pid"]:
-                    metrics.SHARD_RESTARTS.labels(info.name, shard, str(replica)).inc()
+                    metrics.SHARD_RESTARTS.labels(metrics.datastore_label(info.name), shard, str(replica)).inc()
                     self._pids[entry["actor"]] = described["pid"]
                     on_restart(actor)  # a restarted actor starts on every CPU again
             shards.append(entry)

@@ -29,7 +29,16 @@ from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.manifest import MANIFEST
 from knnlm_core.provenance import DocumentTable
 from knnlm_core.uploads import UploadError, documents_of
-from knnlm_core.vector_store_records import VECTOR_STORES, StoreFile, VectorStore, expired, save_store, store_texts, write_documents
+from knnlm_core.vector_store_records import (
+    VECTOR_STORES,
+    StoreFile,
+    VectorStore,
+    expired,
+    new_store_id,
+    save_store,
+    store_texts,
+    write_documents,
+)
 from knnlm_serve.server.document_jobs import DocumentJobs, run_child_job
 from knnlm_serve.server.file_store import FileStore, StoredFile
 from knnlm_serve.server.registry import DatastoreRegistry
@@ -95,7 +104,7 @@ class VectorStores:
                     ErrorKind.TOO_LARGE,
                 )
             now = int(time.time())
-            store = VectorStore(f"vs_{secrets.token_hex(12)}", owner, name, now, now, metadata, expires_after)
+            store = VectorStore(new_store_id(), owner, name, now, now, metadata, expires_after)
             self.stores[store.id] = store
             self._save(store)
             return store
