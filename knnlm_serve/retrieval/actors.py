@@ -35,7 +35,14 @@ logger = logging.getLogger("knnlm_serve")
 # - glibc's malloc raises its mmap threshold after each large free (up to 32 MiB), so buffers of
 #   ever-new batch shapes then come from a heap it does not give back; a fixed threshold keeps
 #   large buffers mapped and unmapped.
-SERVING_PROCESS_ENV = {"RAY_max_direct_call_object_size": str(4 * 2**20), "MALLOC_MMAP_THRESHOLD_": str(2**20)}
+# - oneDNN keeps every matmul primitive it makes in a process-wide cache (1,024 by default), and
+#   vLLM's CPU linear layers make one per new batch size (rows in a step): a long-running worker's
+#   heap filled with them. vLLM keeps its own recent ones per layer, so none is kept twice.
+SERVING_PROCESS_ENV = {
+    "RAY_max_direct_call_object_size": str(4 * 2**20),
+    "MALLOC_MMAP_THRESHOLD_": str(2**20),
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0",
+}
 # The shard actors' own, beside it:
 # - OpenMP (FAISS, torch) threads spin after each parallel region before they sleep; libgomp's
 #   default spin held the cores after every search while the caller waiting for the answer and
