@@ -368,6 +368,21 @@ def test_shard_actors_search_off_the_models_cores(server):
         time.sleep(0.5)
 
 
+def test_shard_actors_run_with_their_own_environment_on_any_cluster(server):
+    """SHARD_ACTOR_ENV reaches every shard actor through its Ray runtime_env (so it holds on a
+    cluster the server did not start): OpenMP's short spin, Ray's niceness, and what keeps a
+    long-running search path's memory flat (knnlm_serve/retrieval/actors.py)."""
+    import psutil
+
+    from knnlm_serve.retrieval import SHARD_ACTOR_ENV
+
+    shards = admin(server, "GET", "/health").json()["shards"]
+    assert shards
+    for shard in shards:
+        environ = psutil.Process(shard["pid"]).environ()
+        assert {name: environ.get(name) for name in SHARD_ACTOR_ENV} == SHARD_ACTOR_ENV, shard
+
+
 def test_automatic_compiled_graphs_where_each_shard_actor_has_a_core_to_itself(server, ids):
     """knn.compiled_graphs auto: a datastore whose shard actors have a core each outside the
     model's answers through Ray Compiled Graphs once they are built, with the same tokens; one with
