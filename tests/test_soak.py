@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "loadtest"))
 from soak_faults import ORDER  # noqa: E402
 
-# The processes whose memory must stay flat here. vLLM's worker and Ray's GCS and raylet still grow
-# under this traffic (docs/performance.md#soak): their trends are in the report, not asserted, until
-# that is fixed.
-SERVER_PROCESSES = ("api server", "engine core")
+# The processes whose memory must stay flat here. Ray's GCS and raylet keep records of ended tasks
+# and actors and still grow slowly (docs/performance.md#soak): their trends are in the report, not
+# asserted.
+SERVER_PROCESSES = ("api server", "engine core", "VLLM::Worker")
 
 
 def test_five_minutes_of_two_tenants_and_faults_end_with_no_unplanned_failure_and_nothing_growing(tiny_model_dir, tmp_path):
