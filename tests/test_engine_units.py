@@ -447,3 +447,22 @@ def test_vllm_cpus_kernel_scan_at_a_workers_start_passes_over_numba():
     keep_llvmlite_out_of_the_kernel_scan()
     _rebind_kernels([])  # the scan itself, over this process's modules
     assert not hasattr(ffi.lib, "__dict__") and ffi.lib.LLVMPY_GetVersionInfo() > 0  # its C functions still answer
+
+
+def test_a_file_search_stream_event_that_cannot_be_rewritten_is_passed_on_as_vllm_sent_it():
+    """Fail open: the answer's stream goes on where rewriting an event for file_search fails."""
+    from knnlm_serve.server.file_search import FileSearch, SearchEvents
+
+    call = {"id": "fs_1", "type": "file_search_call", "status": "completed", "queries": ["q"], "results": None}
+    events = SearchEvents(FileSearch(call, [{"type": "file_citation", "file_id": "file-1", "filename": "a.md"}]))
+    started = events.passed(b'event: response.in_progress\ndata: {"type": "response.in_progress", "sequence_number": 1}')
+    assert [line.split(b": ")[1] for line in started.split(b"\n") if line.startswith(b"event: ")] == [
+        b"response.in_progress",
+        b"response.output_item.added",
+        b"response.file_search_call.in_progress",
+        b"response.file_search_call.searching",
+        b"response.file_search_call.completed",
+        b"response.output_item.done",
+    ]
+    broken = b"event: response.output_text.delta\ndata: {not json"
+    assert events.passed(broken) == broken + b"\n\n"

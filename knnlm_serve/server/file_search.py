@@ -160,7 +160,7 @@ def answering(send, search: FileSearch, stream: bool):
         if stream:
             state["events"] += message.get("body", b"")
             *whole, state["events"] = state["events"].split(b"\n\n")
-            body = b"".join(events.rewritten(e) for e in whole)
+            body = b"".join(events.passed(e) for e in whole)
             if not message.get("more_body", False):
                 body += state["events"]
             return await send({**message, "body": body})
@@ -187,6 +187,15 @@ class SearchEvents:
 
     def __init__(self, search: FileSearch):
         self.search, self.called, self.sequence = search, False, 0
+
+    def passed(self, event: bytes) -> bytes:
+        """`rewritten`, or the event as vLLM sent it where that fails (fail open: the stream goes on,
+        logged)."""
+        try:
+            return self.rewritten(event)
+        except Exception:  # noqa: BLE001 - the answer matters more than its file_search events
+            logger.warning("file_search: a stream event passed on unrewritten", exc_info=True)
+            return event + b"\n\n"
 
     def rewritten(self, event: bytes) -> bytes:
         """One server-sent event (without its blank line) as the events it becomes, each ended."""
