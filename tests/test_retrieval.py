@@ -113,6 +113,24 @@ def test_compiled_and_plain_calls_answer_as_in_process(stores, retriever):
         assert retriever.compiled_shards(info) == info.shards and plain.compiled_shards(info) == []
 
 
+def test_plain_searches_leave_no_task_events_in_rays_gcs_where_other_actor_calls_do(stores, ray_session):
+    """A search is a step's: a record of each in the GCS was its memory growing for hours."""
+    from ray._private.state import state
+
+    def names() -> list[str]:
+        return [event.task_info.func_or_class_name for event in state._get_all_task_events() if event.HasField("task_info")]
+
+    info, actors = stores["one"]
+    plain = RayRetriever(knn(), None)
+    described = names().count("ShardActor.describe")
+    for _ in range(20):
+        assert plain.search(info, queries(), K, None).failed_shards == {}
+    ray_session.get(actors[0][0].describe.remote())
+    # Events reach the GCS in batches about a second apart: the call after the searches is in.
+    until(lambda: names().count("ShardActor.describe") > described, timeout=30)
+    assert "ShardActor.search" not in names()
+
+
 def process_state(pid: int) -> str:
     """The process's state letter in /proc (R running, S sleeping, T stopped, ...)."""
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -148,7 +148,9 @@ class RayRetriever:
                 return graph, graph.execute(args), time.monotonic()
             except ray.exceptions.RayError:  # the graph was closed (its actor died): rebuild it, call plainly
                 self.graphs.drop(key, (index, replica), graph)
-        return None, actors[index][replica].search.remote(*args), time.monotonic()
+        # A search is a step's, many a second: its task events (the dashboard's task history)
+        # would be the GCS's memory and work, growing for hours, with nothing that reads them.
+        return None, actors[index][replica].search.options(enable_task_events=False).remote(*args), time.monotonic()
 
     def _wait(self, key: tuple[str, int], index: int, replica: int, call, timeout: float, rows: int) -> tuple[tuple | None, str]:
         """(the replica's answer, "") or (None, why not) after at most `timeout` seconds."""
