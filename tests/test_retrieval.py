@@ -113,22 +113,28 @@ def test_compiled_and_plain_calls_answer_as_in_process(stores, retriever):
         assert retriever.compiled_shards(info) == info.shards and plain.compiled_shards(info) == []
 
 
-def test_plain_searches_leave_no_task_events_in_rays_gcs_where_other_actor_calls_do(stores, ray_session):
-    """A search is a step's: a record of each in the GCS was its memory growing for hours."""
+def test_searches_and_health_checks_leave_no_task_events_in_rays_gcs_where_other_actor_calls_do(stores, ray_session):
+    """Both come many times a minute for as long as the server runs: a record of each in the GCS
+    was its memory growing for hours."""
     from ray._private.state import state
 
-    def names() -> list[str]:
-        return [event.task_info.func_or_class_name for event in state._get_all_task_events() if event.HasField("task_info")]
+    from knnlm_serve.server.shard_health import ShardPids
+
+    def described() -> int:
+        return sum(e.task_info.func_or_class_name == "ShardActor.describe" for e in state._get_all_task_events() if e.HasField("task_info"))
 
     info, actors = stores["one"]
-    plain = RayRetriever(knn(), None)
-    described = names().count("ShardActor.describe")
+    plain, before = RayRetriever(knn(), None), described()
     for _ in range(20):
         assert plain.search(info, queries(), K, None).failed_shards == {}
+    for _ in range(3):
+        (health,) = ShardPids().check([(info, info.shards[0], 0, actors[0][0])], 10.0, lambda actor: None)
+        assert health["status"] == "ok"
     ray_session.get(actors[0][0].describe.remote())
-    # Events reach the GCS in batches about a second apart: the call after the searches is in.
-    until(lambda: names().count("ShardActor.describe") > described, timeout=30)
-    assert "ShardActor.search" not in names()
+    # Events reach the GCS in batches about a second apart: the plain call after the others is in.
+    until(lambda: described() > before, timeout=30)
+    assert described() == before + 1
+    assert not [e for e in state._get_all_task_events() if e.task_info.func_or_class_name == "ShardActor.search"]
 
 
 def process_state(pid: int) -> str:

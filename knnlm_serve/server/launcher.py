@@ -35,6 +35,7 @@ from knnlm_serve.server.vllm_flags import V2_ONLY_FLAGS, cpu_rank_binding, cuda_
 logger = logging.getLogger("knnlm_serve")
 
 DEFAULT_DATASTORE = "default"
+TASK_EVENTS_KEPT = 10_000  # task events the GCS of a cluster this server starts keeps (Ray: 100,000)
 
 
 def ray_init_address(configured: str | None) -> str:
@@ -92,7 +93,10 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
 
         # Task events are the dashboard's task history, which this server does not run. At exit Ray's
         # driver waits for them to reach the GCS (up to 5 s by default): a stopping server should stop.
+        # Searches and health checks report none; what other calls report (actor starts, probes),
+        # the GCS of a cluster started here keeps the last TASK_EVENTS_KEPT of, not Ray's 100,000.
         os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "200")
+        os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(TASK_EVENTS_KEPT))
         ray.init(
             address=ray_init_address(config.knn.ray_address),
             namespace=config.knn.ray_namespace,

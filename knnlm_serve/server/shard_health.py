@@ -24,7 +24,8 @@ class ShardPids:
         and handing each restarted actor to `on_restart`."""
         import ray
 
-        refs = [actor.describe.remote() for *_, actor in items]
+        # Asked at every health check: no task event of each in Ray's GCS (see fanout.py's search).
+        refs = [actor.describe.options(enable_task_events=False).remote() for *_, actor in items]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
         shards = []
         for (info, shard, replica, actor), ref in zip(items, refs):
