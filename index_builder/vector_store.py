@@ -3,9 +3,11 @@
 A large upload is better built here (on a Ray cluster too: `--ray`) than file by file through
 the API. Each input file becomes an uploaded file of the store (its bytes and record below
 `<root>/.knnlm-files/`) and its documents the store's texts; one `knnlm-index build` makes the
-store's datastore. The server serves the store from its next start, owned by `--owner` (a key id
-of its keys file; none: the server's one tenant). A file that cannot become documents is left out
-and reported, as the API reports it (`unsupported_file`, `invalid_file`).
+store's datastore, and the store's record is written last. A server on that root takes the store
+in at the first Vector Stores or `file_search` request naming it or listing stores (otherwise
+within a minute), owned by `--owner` (a key id of its keys file; none: the server's one tenant).
+A file that cannot become documents is left out and reported, as the API reports it
+(`unsupported_file`, `invalid_file`).
 """
 
 from __future__ import annotations
@@ -88,5 +90,5 @@ def build_vector_store(
             for suffix in (".data", ".json"):
                 (root / FILES / f"{stored.id}{suffix}").unlink(missing_ok=True)
         raise
-    logger.info("vector store %s (%s): %d file(s), served from the server's next start", store.id, name or "no name", len(written))
+    logger.info("vector store %s (%s): %d file(s), ready to serve", store.id, name or "no name", len(written))
     return store

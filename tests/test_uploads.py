@@ -1,4 +1,5 @@
-"""Uploaded files as datastore documents (knnlm_serve/server/uploads.py): each format, each refusal and its code."""
+"""Uploaded files as datastore documents (knnlm_core/uploads.py): each format, each refusal and its code;
+and the order they wait to be indexed in."""
 
 from __future__ import annotations
 
@@ -141,3 +142,17 @@ def test_a_pdf_without_pypdf_is_unsupported_with_what_to_do(read):
     error = refusal(tiny_pdf("Hello PDF"), "paper.pdf", read)
     assert error.code == "unsupported_file"
     assert str(error).startswith("paper.pdf: ") and "pypdf" in str(error) and "upload the text instead" in str(error)
+
+
+def test_files_waiting_to_be_indexed_are_taken_one_key_at_a_time_in_turn():
+    from knnlm_serve.server.store_indexing import KeyTurns
+
+    turns = KeyTurns()
+    for item in ("a1", "a2", "a3"):
+        turns.put("alice", item)
+    turns.put("bob", "b1")
+    turns.put(None, "n1")
+    taken = [turns.get(timeout=0)]
+    turns.put("bob", "b2")  # attached after Alice's three: taken after her second, before her third
+    taken += [turns.get(timeout=0) for _ in range(6)]
+    assert taken == ["a1", "b1", "n1", "a2", "b2", "a3", None]

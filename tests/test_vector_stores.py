@@ -180,6 +180,30 @@ def test_a_store_built_offline_from_a_folder_serves_as_its_owners(server):
     assert "offline" not in [s.name for s in client(server, "bob").vector_stores.list()]
 
 
+def test_a_store_built_offline_while_the_server_runs_serves_at_the_first_request_naming_it(server, root, tiny_model_dir, tmp_path):
+    (tmp_path / "mill.md").write_text("The Tolland mill wheel was recast in bronze after the flood of the dry year.")
+    built = subprocess.run(
+        [sys.executable, "-m", "index_builder.cli", "vector-store", str(root), str(tmp_path / "mill.md"), "--name", "later"]
+        + ["--owner", "alice", "--model", str(tiny_model_dir), "--index", "flat", "--context-length", "128", "--quiet"],
+        capture_output=True,
+        text=True,
+    )
+    assert built.returncode == 0, built.stderr[-2000:]
+    made = json.loads(built.stdout)
+    alice, bob = client(server, "alice"), client(server, "bob")
+    with pytest.raises(openai.NotFoundError):
+        bob.vector_stores.retrieve(made["id"])  # taken in, and still Alice's
+    store = alice.vector_stores.retrieve(made["id"])
+    assert store.name == "later" and store.file_counts.completed == 1
+    assert store.id in [s.id for s in alice.vector_stores.list()] and store.id not in [s.id for s in bob.vector_stores.list()]
+    (file_id,) = [f.id for f in alice.vector_stores.files.list(store.id)]
+    assert alice.files.retrieve(file_id).filename == "mill.md"
+    (hit, *_) = alice.vector_stores.search(store.id, query="What was the mill wheel recast in?").data
+    assert hit.file_id == file_id and "bronze" in hit.content[0].text
+    listed = requests.get(f"{server.base_url}/v1/knn/datastores", headers={"X-Admin-Token": TOKEN}, timeout=60).json()["datastores"]
+    assert store.id in {d["name"] for d in listed}  # its datastore serves
+
+
 def test_a_batch_counts_an_invalid_file_as_failed(server):
     alice = client(server, "alice")
     store = alice.vector_stores.create(name="batch")

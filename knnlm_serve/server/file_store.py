@@ -39,7 +39,15 @@ class FileStore:
         self.limits = limits
         self._lock = threading.Lock()
         self._files: dict[str, StoredFile] = {}
-        for record in sorted(self.folder.glob("*.json")):
+        self._keep(sorted(self.folder.glob("*.json")))
+
+    def adopt(self, file_ids: list[str]) -> None:
+        """Keep the records `knnlm-index vector-store` wrote while the server ran."""
+        with self._lock:
+            self._keep([self.folder / f"{i}.json" for i in file_ids if i not in self._files and (self.folder / f"{i}.json").exists()])
+
+    def _keep(self, records: list[Path]) -> None:
+        for record in records:
             try:
                 stored = StoredFile(**json.loads(record.read_text()))
             except (OSError, ValueError, TypeError) as e:

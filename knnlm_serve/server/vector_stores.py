@@ -2,23 +2,21 @@
 
 A store lives in `<knn.datastore_root>/.knnlm-vector-stores/<id>/`: its record (`store.json`)
 and, once a file is in it, its datastore (`datastore/`), served under the store's id as its
-name, so `knn_datastore: "vs_..."` works wherever a datastore is named. Attaching a file turns
-it into documents (knnlm_serve/server/uploads.py), writes them as the server's copy
-`.knnlm-added/<store>/<file>.jsonl` and runs `knnlm-index build` (the first file) or `add` in
-a child process, one file at a time, on one worker thread; the file's status is `in_progress`
-until then. Detaching forgets its documents with erase (the server's copy goes with them); the
-last file's detach, or the store's deletion, removes the datastore. Another key is answered as
-for an id that does not exist.
+name, so `knn_datastore: "vs_..."` works wherever a datastore is named. Attaching a file queues
+it for the one worker thread, which indexes files one at a time, each key's in turn
+(knnlm_serve/server/store_indexing.py); the file's status is `in_progress` until its version
+serves. Detaching forgets its documents with erase (the server's copy goes with them); the last
+file's detach, or the store's deletion, removes the datastore. A store that `knnlm-index
+vector-store` builds below the root while the server runs is taken in when a request names or
+lists stores, or at the next sweep. Another key is answered as for an id that does not exist.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
 import secrets
 import shutil
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +26,6 @@ from knnlm_core.datastore import read_manifest
 from knnlm_core.errors import ErrorKind, KnnlmError
 from knnlm_core.manifest import MANIFEST
 from knnlm_core.provenance import DocumentTable
-from knnlm_core.uploads import UploadError, documents_of
 from knnlm_core.vector_store_records import (
     VECTOR_STORES,
     StoreFile,
@@ -37,15 +34,15 @@ from knnlm_core.vector_store_records import (
     new_store_id,
     save_store,
     store_texts,
-    write_documents,
 )
-from knnlm_serve.server.document_jobs import DocumentJobs, run_child_job
+from knnlm_serve.server.document_jobs import DocumentJobs
 from knnlm_serve.server.file_store import FileStore, StoredFile
 from knnlm_serve.server.registry import DatastoreRegistry
+from knnlm_serve.server.store_indexing import KeyTurns, index_file
 
 logger = logging.getLogger(__name__)
 
-EXPIRY_CHECK_S = 60.0  # how often expired stores and files are deleted
+SWEEP_S = 60.0  # how often stores built offline are taken in, and expired stores and files deleted
 
 
 def unknown_store(store_id: str) -> KnnlmError:
@@ -63,28 +60,54 @@ class VectorStores:
         self.registry, self.jobs, self.files, self.limits = registry, jobs, FileStore(self.root, limits), limits
         self._lock = threading.RLock()  # the records
         self._writing: dict[str, threading.Lock] = {}  # per store: its datastore's versions
-        self._queue: queue.Queue[tuple[str, str]] = queue.Queue()
+        self._queue = KeyTurns()  # (store id, file id)
         self.stores: dict[str, VectorStore] = {}
-        for record in sorted(self.folder.glob("*/store.json")):
-            store = VectorStore(**json.loads(record.read_text()))
-            store.files = {i: StoreFile(**f) for i, f in store.files.items()}
-            self.stores[store.id] = store
+        self._unreadable: set[Path] = set()  # records warned of once
+        self._read_new()
 
     def load(self) -> None:
         """Serve the stores' datastores (before the added texts are swept: theirs are named by them)."""
         for store in self.stores.values():
-            if (self.datastore(store.id) / MANIFEST).exists():
+            self._serve(store)
+
+    def adopt(self) -> None:
+        """Serve the stores `knnlm-index vector-store` built below the root while the server ran
+        (it writes a store's record last, once its files and datastore are in place)."""
+        for store in self._read_new():
+            self._serve(store)
+            logger.info("vector store %s (%s): built offline, now served", store.id, store.name or "no name")
+
+    def _read_new(self) -> list[VectorStore]:
+        with self._lock:
+            new = []
+            for record in sorted(self.folder.glob("*/store.json")):
+                if record.parent.name in self.stores or record in self._unreadable:
+                    continue
                 try:
-                    self.registry.load(store.id, self.datastore(store.id))
-                except KnnlmError as e:
-                    logger.warning("vector store %s: its datastore does not load: %s", store.id, e)
+                    store = VectorStore(**json.loads(record.read_text()))
+                    store.files = {i: StoreFile(**f) for i, f in store.files.items()}
+                except (OSError, ValueError, TypeError) as e:
+                    logger.warning("%s: not a vector store record (%s); left as it is", record, e)
+                    self._unreadable.add(record)
+                    continue
+                self.files.adopt(list(store.files))
+                self.stores[store.id] = store
+                new.append(store)
+            return new
+
+    def _serve(self, store: VectorStore) -> None:
+        if (self.datastore(store.id) / MANIFEST).exists():
+            try:
+                self.registry.load(store.id, self.datastore(store.id))
+            except KnnlmError as e:
+                logger.warning("vector store %s: its datastore does not load: %s", store.id, e)
 
     def start(self) -> None:
         """Attach what a stop left in progress, and start the worker."""
         for store in self.stores.values():
             for entry in store.files.values():
                 if entry.status == "in_progress":
-                    self._queue.put((store.id, entry.id))
+                    self._queue.put(store.owner, (store.id, entry.id))
         threading.Thread(target=self._work, name="knnlm-vector-stores", daemon=True).start()
 
     def datastore(self, store_id: str) -> Path:
@@ -116,12 +139,15 @@ class VectorStores:
         return key.model_copy(update={"datastores": {**key.datastores, **{n: r for n, r in mine.items() if n in served}}})
 
     def get(self, owner: str | None, store_id: str) -> VectorStore:
+        if store_id not in self.stores:
+            self.adopt()
         store = self.stores.get(store_id)
         if store is None or store.owner != owner:
             raise unknown_store(store_id)
         return store
 
     def owned(self, owner: str | None) -> list[VectorStore]:
+        self.adopt()
         return sorted((s for s in self.stores.values() if s.owner == owner), key=lambda s: (s.created_at, s.id))
 
     def modify(self, store: VectorStore, update: dict) -> VectorStore:
@@ -141,7 +167,7 @@ class VectorStores:
             store.files[entry.id] = entry
             store.last_active_at = entry.created_at
             self._save(store)
-        self._queue.put((store.id, entry.id))
+        self._queue.put(store.owner, (store.id, entry.id))
         return entry
 
     def batch(self, store: VectorStore, files: list[tuple[StoredFile, dict]], chunking: dict) -> str:
@@ -169,10 +195,10 @@ class VectorStores:
 
     def delete(self, store: VectorStore) -> None:
         with self._writing_lock(store.id):
-            with self._lock:
-                self.stores.pop(store.id, None)
             self._drop_datastore(store.id)
-            shutil.rmtree(self.folder / store.id, ignore_errors=True)
+            with self._lock:  # its record goes with it, or adopt() would take it for a new one
+                shutil.rmtree(self.folder / store.id, ignore_errors=True)
+                self.stores.pop(store.id, None)
         with self._lock:
             self._writing.pop(store.id, None)  # a store's lock lives as long as the store
 
@@ -193,15 +219,13 @@ class VectorStores:
     # --- the worker ----------------------------------------------------------------------------
 
     def _work(self) -> None:
-        next_expiry = 0.0
+        next_sweep = 0.0
         while True:
-            try:
-                item = self._queue.get(timeout=EXPIRY_CHECK_S)
-            except queue.Empty:
-                item = None
-            if time.monotonic() >= next_expiry:
+            item = self._queue.get(timeout=SWEEP_S)
+            if time.monotonic() >= next_sweep:
+                self._safely(self.adopt)
                 self._safely(self.expire)
-                next_expiry = time.monotonic() + EXPIRY_CHECK_S
+                next_sweep = time.monotonic() + SWEEP_S
             if item is not None:
                 self._safely(self._index, *item)
 
@@ -220,32 +244,8 @@ class VectorStores:
                 return
             if stored is None:
                 return self._finish(store, entry, "server_error", f"file {file_id} was deleted before it was indexed")
-            try:
-                documents = documents_of(self.files.content(stored), stored.filename)
-            except UploadError as e:
-                return self._finish(store, entry, e.code, str(e))
-            texts = write_documents(self.root, store_id, file_id, documents)
-            path = self.datastore(store_id)
-            kind = "add" if (path / MANIFEST).exists() else "build"
-            model = str(self.registry.model.path)
-            command = [
-                sys.executable,
-                "-m",
-                "index_builder.cli",
-                kind,
-                *([str(path), str(texts)] if kind == "add" else [str(texts), "-o", str(path)]),
-            ]
-            try:
-                job = self.jobs.begin(store_id, kind)
-            except KnnlmError as e:
-                texts.unlink(missing_ok=True)
-                return self._finish(store, entry, "server_error", str(e))
-            run_child_job(
-                self.jobs, job, self.registry, str(path), lambda: [*command, "--model", model, "--quiet"], lambda: _discard(texts, path)
-            )
-            if job.state == "failed":
-                return self._finish(store, entry, "server_error", job.error)
-            self._finish(store, entry, None, None, usage=sum(len(t.encode()) for _, t in documents))
+            data = self.files.content(stored)
+            self._finish(store, entry, *index_file(self.root, store_id, self.datastore(store_id), stored, data, self.registry, self.jobs))
 
     def _finish(self, store: VectorStore, entry: StoreFile, code: str | None, message: str | None, usage: int = 0) -> None:
         with self._lock:
@@ -283,11 +283,3 @@ class VectorStores:
 
     def _save(self, store: VectorStore) -> None:
         save_store(self.folder, store)
-
-
-def _discard(texts: Path, path: Path) -> None:
-    """What a failed build or add of a store's file left: its texts, and the work directory."""
-    from index_builder.versions import workdir
-
-    texts.unlink(missing_ok=True)
-    shutil.rmtree(workdir(path), ignore_errors=True)
