@@ -181,10 +181,10 @@ def test_a_store_built_offline_from_a_folder_serves_as_its_owners(server):
 
 
 def test_a_store_built_offline_while_the_server_runs_serves_at_the_first_request_naming_it(server, root, tiny_model_dir, tmp_path):
-    (tmp_path / "mill.md").write_text("The Tolland mill wheel was recast in bronze after the flood of the dry year.")
+    (tmp_path / "mill.md").write_text("The Tolland foundry recast the harbour bell in bronze after the flood of the dry year.")
     built = subprocess.run(
         [sys.executable, "-m", "index_builder.cli", "vector-store", str(root), str(tmp_path / "mill.md"), "--name", "later"]
-        + ["--owner", "alice", "--model", str(tiny_model_dir), "--index", "flat", "--context-length", "128", "--quiet"],
+        + ["--owner", "alice", "--model", str(tiny_model_dir), "--index", "flat", "--context-length", "128", "--stride", "64", "--quiet"],
         capture_output=True,
         text=True,
     )
@@ -198,7 +198,7 @@ def test_a_store_built_offline_while_the_server_runs_serves_at_the_first_request
     assert store.id in [s.id for s in alice.vector_stores.list()] and store.id not in [s.id for s in bob.vector_stores.list()]
     (file_id,) = [f.id for f in alice.vector_stores.files.list(store.id)]
     assert alice.files.retrieve(file_id).filename == "mill.md"
-    (hit, *_) = alice.vector_stores.search(store.id, query="What was the mill wheel recast in?").data
+    (hit, *_) = alice.vector_stores.search(store.id, query="What did the Tolland foundry recast the harbour bell in?").data
     assert hit.file_id == file_id and "bronze" in hit.content[0].text
     listed = requests.get(f"{server.base_url}/v1/knn/datastores", headers={"X-Admin-Token": TOKEN}, timeout=60).json()["datastores"]
     assert store.id in {d["name"] for d in listed}  # its datastore serves
