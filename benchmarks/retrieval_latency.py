@@ -545,10 +545,10 @@ def measure(args, record: dict, final: Path) -> dict:
         logits = torch.randn(bb, VOCAB)
         lam, temp = np.full(bb, 0.25, np.float32), np.full(bb, 1.0, np.float32)
 
-        rows = list(range(bb))
+        rows, mixer = list(range(bb)), KnnMixer(retriever=None)
 
         def mix(logits, *neighbours):  # as the server: one log-softmax a row (skip rule, normaliser), then the mix in place
-            log_z, _ = KnnMixer.lm_confidence(logits, rows)
+            log_z, _ = mixer.lm_confidence(logits, rows)
             return interpolate(logits, np.arange(bb), log_z, *neighbours)
 
         breakdown["interpolate"] = stats_ms(timed(mix, lambda: (logits, distances, tokens, lam, temp), 3, reps), bb)

@@ -159,7 +159,7 @@ def test_a_streamed_build_with_a_worker_killed_mid_encode_keeps_one_shards_keys_
 
     def watch() -> None:  # the bytes of key files in the work directory, every few milliseconds
         while not done.is_set():
-            size = sum(f.stat().st_size for d in ("parts", "sample", "") for f in (work / d).glob("*.npy*") if _is_keys(f))
+            size = sum(_key_bytes(f) for d in ("parts", "sample", "") for f in (work / d).glob("*.npy*"))
             peak[0] = max(peak[0], size)
             time.sleep(0.005)
 
@@ -184,12 +184,15 @@ def test_a_streamed_build_with_a_worker_killed_mid_encode_keeps_one_shards_keys_
     assert peak[0] < 0.6 * all_keys
 
 
-def _is_keys(f: Path) -> bool:
-    """A key file of the build: a part, a piece of the sample, or the whole keys.npy (never while streaming)."""
+def _key_bytes(f: Path) -> int:
+    """The size of a key file of the build (a part, a piece of the sample, or the whole keys.npy,
+    never while streaming); 0 for anything else, or for a file renamed or removed while looked at."""
+    if f.parent.name not in ("parts", "sample") and not f.name.startswith("keys.npy"):
+        return 0
     try:
-        return f.is_file() and (f.parent.name in ("parts", "sample") or f.name.startswith("keys.npy"))
-    except OSError:  # removed while it was looked at
-        return False
+        return f.stat().st_size
+    except OSError:
+        return 0
 
 
 def test_an_unreachable_cluster_is_one_line_naming_it_and_writes_nothing(corpus, tiny_model_dir, tmp_path):

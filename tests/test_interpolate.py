@@ -78,9 +78,14 @@ def test_the_lm_confidence_is_each_rows_log_normaliser_and_top_probability(dtype
     rng = np.random.default_rng(1)
     batch = torch.from_numpy(rng.normal(size=(5, 300)).astype(np.float32) * 4).to(dtype)
     batch[3, 100:] = -torch.inf  # masked by an earlier processor (a grammar, bad words)
-    rows = [0, 3, 4]
-    log_z, top = KnnMixer.lm_confidence(batch, rows)
-    expected = torch.log_softmax(batch[rows].double(), dim=-1)
-    np.testing.assert_allclose(log_z, torch.logsumexp(batch[rows].double(), dim=-1).numpy(), rtol=1e-6)
-    np.testing.assert_allclose(top, expected.exp().amax(dim=-1).numpy(), rtol=1e-5)
-    assert log_z.shape == top.shape == (3,)
+    mixer = KnnMixer(retriever=None)
+    # Some rows, all rows, then fewer: the mixer's scratch rows, kept from step to step, hold what an
+    # earlier step left, and the logits stay as they were.
+    for rows in ([0, 3, 4], [0, 1, 2, 3, 4], [4]):
+        before = batch.clone()
+        log_z, top = mixer.lm_confidence(batch, rows)
+        expected = torch.log_softmax(batch[rows].double(), dim=-1)
+        np.testing.assert_allclose(log_z, torch.logsumexp(batch[rows].double(), dim=-1).numpy(), rtol=1e-6)
+        np.testing.assert_allclose(top, expected.exp().amax(dim=-1).numpy(), rtol=1e-5)
+        assert log_z.shape == top.shape == (len(rows),)
+        assert torch.equal(batch, before)

@@ -60,6 +60,7 @@ class KnnMixer:
             logger.warning("knnlm: the mix's loop did not compile ahead of the first step", exc_info=True)
         self._document_starts: dict[tuple[str, int], np.ndarray | None] = {}
         self._values: dict[tuple[str, int], EntryValues] = {}
+        self._scratch = ScratchRows()
 
     def document_starts(self, info: DatastoreInfo) -> np.ndarray | None:
         """The version's documents.npy (None: not recorded, no pointer following), loaded once."""
@@ -78,19 +79,22 @@ class KnnMixer:
         self._document_starts = {key: v for key, v in self._document_starts.items() if key in keep}
         self._values = {key: v for key, v in self._values.items() if key in keep}
 
-    @staticmethod
-    def lm_confidence(logits: torch.Tensor, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def lm_confidence(self, logits: torch.Tensor, rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(log normaliser, top probability) of the LM at `rows`, each [len(rows)] on the host: from
         one pass a row, for the skip rule and the mix together. Host fp32 logits are reduced by numpy
-        on this thread: torch's reductions wake its intra-op threads for every operation, a cost
-        that a row or a few rows a step does not repay."""
-        taken = take_rows(logits, rows)
-        if taken.device.type == "cpu" and taken.dtype == torch.float32:
-            values = taken.numpy()
+        on this thread, in the mixer's scratch rows: torch's reductions wake its intra-op threads
+        for every operation, a cost that a row or a few rows a step does not repay."""
+        if logits.device.type == "cpu" and logits.dtype == torch.float32:
+            scratch = self._scratch.rows(len(rows), logits.shape[-1])
+            if rows == list(range(len(logits))):
+                values = logits.numpy()
+            else:
+                values = torch.index_select(logits, 0, torch.as_tensor(rows), out=torch.from_numpy(scratch)).numpy()
             largest = values.max(axis=-1)
-            exps = values - largest[:, None]
-            total = np.exp(exps, out=exps).sum(axis=-1)
+            np.subtract(values, largest[:, None], out=scratch)
+            total = np.exp(scratch, out=scratch).sum(axis=-1)
             return largest + np.log(total), 1 / total  # the top probability is exp(largest - log_z)
+        taken = take_rows(logits, rows)
         top = torch.log_softmax(taken, dim=-1).amax(dim=-1)  # amax, not max: the argmax would cost as much as the softmax
         log_z, top = torch.stack((taken.amax(dim=-1) - top, top)).cpu().numpy()  # one copy to the host
         return log_z, np.exp(top)
@@ -212,6 +216,21 @@ class KnnMixer:
         start = time.perf_counter()
         interpolate(logits, np.asarray(rows), log_z, found.distances, found.tokens, found.lambdas, found.temperatures)
         metrics.child(metrics.INTERPOLATION_SECONDS, metrics.datastore_label(datastore)).observe(time.perf_counter() - start)
+
+
+class ScratchRows:
+    """A float32 array kept from step to step for a step's row-sized temporaries. A new one each
+    step would be new pages each step: vLLM's processes run with a fixed malloc mmap threshold
+    (`SERVING_PROCESS_ENV`), which maps every large buffer afresh. It keeps the largest size asked."""
+
+    def __init__(self):
+        self._flat = np.empty(0, dtype=np.float32)
+
+    def rows(self, n: int, width: int) -> np.ndarray:
+        """A [n, width] view of the array, grown first if needed; its contents are left over."""
+        if self._flat.size < n * width:
+            self._flat = np.empty(n * width, dtype=np.float32)
+        return self._flat[: n * width].reshape(n, width)
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
