@@ -3,12 +3,13 @@ upload costs until it serves, what a search costs among ten stores, and whether 
 answers questions about the uploaded documentation.
 
     .venv/bin/python benchmarks/vector_stores.py --sizes 10KB 100KB    # ~40 min on 2 CPU cores
+    .venv/bin/python benchmarks/vector_stores.py --upload-only --sizes 1MB   # a new store's first file only
 
 The server is configs/default.yaml's (SmolLM2, the embedded datastore beside), with
 `knn.datastore_root` in a work directory. In one run:
   * upload: seconds from `files.create` to the vector-store file's `completed`, for 10 KB, 100 KB and
     1 MB of the corpus's text, each as the first file of a new store (a build) and as a second
-    one (an add);
+    one (an add: the same number of characters, reversed, which tokenizes into more tokens);
   * search: the corpus split over 10 stores; `vector_stores.search` latency, p50 and p99, over the items' questions;
   * exact match: "Which name does this?" questions (`knnlm-eval items`, chat forms) about the
     package's documentation, uploaded one file per module to one store, asked through
@@ -17,7 +18,8 @@ The server is configs/default.yaml's (SmolLM2, the embedded datastore beside), w
     where it names the answer as a whole word (knnlm_serve/eval/tasks.py's rule); the control
     items are about modules not uploaded.
 Many small stores on one server: benchmarks/many_vector_stores.py.
-Writes benchmarks/results/vector_stores.json and .png.
+Writes benchmarks/results/vector_stores.json and .png (with --upload-only, vector_store_uploads.json
+and .png: each size as a new store's first file, for the sizes that take most of an hour).
 """
 
 from __future__ import annotations
@@ -58,14 +60,16 @@ def upload_seconds(client, text: str, store_id: str | None = None) -> tuple[floa
     return time.monotonic() - started, store_id
 
 
-def uploads(client, text: str, sizes: list[str]) -> dict:
+def uploads(client, text: str, sizes: list[str], add: bool) -> dict:
     out = {}
     for name in sizes:
         size = SIZES[name]
         chunk = (text * (1 + size // max(len(text), 1)))[:size]
         built, store = upload_seconds(client, chunk)
-        added, _ = upload_seconds(client, chunk[::-1][: size // 2] + chunk[: size // 2][::-1], store)  # other text, same size
-        out[name] = {"bytes": size, "build_s": round(built, 1), "add_s": round(added, 1)}
+        out[name] = {"bytes": size, "build_s": round(built, 1)}
+        if add:
+            added, _ = upload_seconds(client, chunk[::-1][: size // 2] + chunk[: size // 2][::-1], store)  # other text, same size
+            out[name]["add_s"] = round(added, 1)
         client.vector_stores.delete(store)
         print(name, out[name], flush=True)
     return out
@@ -124,6 +128,13 @@ def exact_match(client, docs: Path, items: list, model: str, parts: list[str]) -
     }
 
 
+def questions(docs: Path, control_docs: Path, args) -> list:
+    """`knnlm-eval items` about the uploaded modules and the control ones: their questions and paraphrases."""
+    path = args.work / "items.jsonl"
+    knnlm_eval("items", docs, "--control", control_docs, "--limit", args.limit, "--control-limit", args.control_limit, "-o", path)
+    return [i for i in read_items(path) if i.kind.split("/")[-1] in ("question", "paraphrase")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--package", default="click", help="whose modules' documentation is uploaded (no setting was chosen on it)")
@@ -133,14 +144,18 @@ def main() -> None:
     parser.add_argument(
         "--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="upload sizes to time (1MB: about an hour each way here)"
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/vector_stores.json")
+    parser.add_argument(
+        "--upload-only", action="store_true", help="time each size as a new store's first file only (no add, no search, no questions)"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="default: benchmarks/results/vector_stores.json (vector_store_uploads.json with --upload-only)"
+    )
     args = parser.parse_args()
+    args.out = args.out or ROOT / "benchmarks/results" / ("vector_store_uploads.json" if args.upload_only else "vector_stores.json")
     args.work.mkdir(parents=True, exist_ok=True)
     stored, control = package_modules(args.package)
     docs, control_docs = write_documents(stored, args.work / "docs"), write_documents(control, args.work / "control")
-    items_path = args.work / "items.jsonl"
-    knnlm_eval("items", docs, "--control", control_docs, "--limit", args.limit, "--control-limit", args.control_limit, "-o", items_path)
-    items = [i for i in read_items(items_path) if i.kind.split("/")[-1] in ("question", "paraphrase")]
+    items = [] if args.upload_only else questions(docs, control_docs, args)
     config = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
     config.pop("port")
     config["knn"]["datastore_root"] = str(args.work / "root")
@@ -148,7 +163,9 @@ def main() -> None:
     record = {**run_record("vector_stores"), "package": args.package, "modules": len(stored), "control_modules": len(control)}
     with RunningServer(config, args.work / "server") as server:
         client = server.openai_client()
-        record["upload"] = uploads(client, corpus_text(docs), args.sizes)
+        record["upload"] = uploads(client, corpus_text(docs), args.sizes, add=not args.upload_only)
+        if args.upload_only:
+            return finish(record, args.out)
         parts = split_stores(client, docs)
         record["search"] = searches(client, parts, [i.prompt for i in items])
         print(record["search"], flush=True)
@@ -156,8 +173,12 @@ def main() -> None:
         print(json.dumps(record["exact_match"], indent=1), flush=True)
         for store in parts:
             client.vector_stores.delete(store)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    plot(record, args.out.with_suffix(".png"))
+    finish(record, args.out)
+
+
+def finish(record: dict, out: Path) -> None:
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    plot(record, out.with_suffix(".png"))
 
 
 def plot(record: dict, path: Path) -> None:
@@ -166,8 +187,26 @@ def plot(record: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    questions = "exact_match" in record
+    fig, axes = plt.subplots(1, 2 if questions else 1, figsize=(11 if questions else 5.5, 4), squeeze=False)
+    if questions:
+        plot_questions(record, axes[0][0])
+    right = axes[0][-1]
+    sizes = list(record["upload"])
+    phases = [p for p in ("build_s", "add_s") if p in record["upload"][sizes[0]]]
+    for n, phase in enumerate(phases):
+        right.bar([x + 0.4 * n for x in range(len(sizes))], [record["upload"][s][phase] for s in sizes], width=0.4, label=phase[:-2])
+    right.set_xticks([x + 0.2 for x in range(len(sizes))], sizes)
+    right.set_ylabel("seconds from upload to completed")
+    right.set_title("upload until it serves")
+    right.legend()
+    fig.suptitle(f"{record['created']}, {record['commit']}, {record['machine']['cpus']} CPUs", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_questions(record: dict, left) -> None:
     kinds = sorted(record["exact_match"]["kinds"])
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     settings = list(record["exact_match"]["kinds"][kinds[0]])
     width = 0.8 / len(settings)
     for n, setting in enumerate(settings):
@@ -178,16 +217,6 @@ def plot(record: dict, path: Path) -> None:
     left.set_ylabel("exact match")
     left.set_title(f"questions about {record['package']}'s docs (uploaded)")
     left.legend()
-    sizes = list(record["upload"])
-    for n, phase in enumerate(("build_s", "add_s")):
-        right.bar([x + 0.4 * n for x in range(len(sizes))], [record["upload"][s][phase] for s in sizes], width=0.4, label=phase[:-2])
-    right.set_xticks([x + 0.2 for x in range(len(sizes))], sizes)
-    right.set_ylabel("seconds from upload to completed")
-    right.set_title("upload until it serves")
-    right.legend()
-    fig.suptitle(f"{record['created']}, {record['commit']}, {record['machine']['cpus']} CPUs", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
