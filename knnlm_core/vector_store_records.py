@@ -19,11 +19,19 @@ from pathlib import Path
 
 from knnlm_core.added_texts import ADDED_TEXTS
 from knnlm_core.files import write_json_atomic, write_text_atomic
+from knnlm_core.passages import MIN_TAIL_TOKENS, PASSAGE_TOKENS
 
 DAY = 86400
 FILES = ".knnlm-files"
 VECTOR_STORES = ".knnlm-vector-stores"
 STORE_ID_PREFIX = "vs_"  # a vector store's id, and the name its datastore is served under
+
+# How a store cuts every file into passages, as OpenAI's `static` strategy says it: PASSAGE_TOKENS
+# tokens of the served model's, without overlap, a document's last passage up to MIN_TAIL_TOKENS - 1 longer.
+PASSAGE_CHUNKING = {
+    "type": "static",
+    "static": {"max_chunk_size_tokens": PASSAGE_TOKENS + MIN_TAIL_TOKENS - 1, "chunk_overlap_tokens": 0},
+}
 
 
 def new_store_id() -> str:
@@ -55,13 +63,15 @@ class StoreFile:
     id: str  # the file's own id, as OpenAI's client expects
     created_at: int
     attributes: dict = field(default_factory=dict)
-    chunking_strategy: dict = field(default_factory=lambda: {"type": "auto"})
+    chunking_strategy: dict = field(default_factory=lambda: {"type": "auto"})  # as asked; `public` says what is done
     status: str = "in_progress"  # in_progress, completed, failed, cancelled
     last_error: dict | None = None  # {code: unsupported_file | invalid_file | server_error, message}
     usage_bytes: int = 0
 
     def public(self, store_id: str) -> dict:
-        return {**asdict(self), "object": "vector_store.file", "vector_store_id": store_id}
+        """OpenAI's vector store file object. Its `chunking_strategy` is how the store cuts every
+        file, whatever was asked: OpenAI's answer is always static sizes (or `other`), never `auto`."""
+        return {**asdict(self), "chunking_strategy": PASSAGE_CHUNKING, "object": "vector_store.file", "vector_store_id": store_id}
 
 
 @dataclass

@@ -156,6 +156,9 @@ def test_an_uploaded_file_is_searched_and_recalled_through_its_store(server, ali
     store, done = alices_store
     alice = client(server, "alice")
     assert done.status == "completed" and done.last_error is None and done.vector_store_id == store.id
+    # How the store cut the file, in the form OpenAI's client parses (static sizes, never `auto`).
+    assert done.chunking_strategy.type == "static" and done.chunking_strategy.static.chunk_overlap_tokens == 0
+    assert 100 <= done.chunking_strategy.static.max_chunk_size_tokens <= 4096
     assert alice.vector_stores.retrieve(store.id).file_counts.completed == 1
     found = alice.vector_stores.search(store.id, query="Where does the keeper keep the spare lens?").data
     assert found and found[0].file_id == done.id and found[0].filename == "handbook.md" and "spare lens" in found[0].content[0].text
