@@ -4,6 +4,7 @@ task event or not (docs/performance.md#soak). Ray alone, no knnlm-serve code.
     .venv/bin/python loadtest/task_events_memory.py --calls 60000 --events on
     .venv/bin/python loadtest/task_events_memory.py --calls 60000 --events off
     .venv/bin/python loadtest/task_events_memory.py --calls 0       # an idle cluster, 3 minutes
+    .venv/bin/python loadtest/task_events_memory.py --calls 0 --idle-minutes 60
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ SAMPLES = 20
 
 
 def uss_mib(process_name: str) -> float:
-    for process in psutil.process_iter(["name"]):
-        if process.info["name"] == process_name[:15]:  # /proc's name is cut at 15 characters
-            return round(process.memory_full_info().uss / 2**20, 1)
-    raise LookupError(f"no {process_name} process")
+    """USS of this script's own Ray process of that name (a server's Ray may run beside it)."""
+    (info,) = ray._private.worker._global_node.all_processes[process_name]  # private: Ray lists its processes nowhere else
+    return round(psutil.Process(info.process.pid).memory_full_info().uss / 2**20, 1)
 
 
 class Shard:
@@ -36,6 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=60_000)
     parser.add_argument("--events", choices=("on", "off"), default="on", help="whether each call reports its task event")
+    parser.add_argument("--idle-minutes", type=float, default=3.0, help="with --calls 0: how long the idle cluster is watched")
     args = parser.parse_args()
     os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")  # as a cluster the server starts
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -55,7 +56,7 @@ def main() -> None:
     if args.calls == 0:
         for _ in range(SAMPLES):
             sample(0)
-            time.sleep(7.5)
+            time.sleep(args.idle_minutes * 60 / SAMPLES - 1.5)
     for call in range(args.calls):
         if call % max(1, args.calls // SAMPLES) == 0:
             sample(call)
