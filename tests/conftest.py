@@ -75,6 +75,25 @@ def plain_tiny_server(plain_tiny_start):
     return plain_tiny_start.result()
 
 
+@pytest.fixture(scope="session")
+def tenant_root(tmp_path_factory, tiny_model_dir) -> Path:
+    """test_tenants' and test_vector_stores' datastores, keys file and offline-built store."""
+    import tenant_server as shared
+
+    root = tmp_path_factory.mktemp("tenants")
+    shared.prepare(root, tiny_model_dir)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tenant_server(tenant_root, tiny_model_dir):
+    """The server with tenants that test_tenants and test_vector_stores share (tests/tenant_server.py)."""
+    import tenant_server as shared
+
+    with RunningServer(shared.config(tenant_root, tiny_model_dir), tenant_root, api_key=shared.KEYS["a"]) as server:
+        yield server
+
+
 def until(condition, timeout: float, what: str) -> None:
     """Wait for `condition()`, failing with `what` after `timeout` seconds."""
     import time

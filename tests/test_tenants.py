@@ -2,7 +2,8 @@
 on every route, alone and in batches shared with another tenant's rows (tiny model, memorised text).
 
 Both datastores hold the same opening sentence, each with its own continuation: a completion of it
-says which store its neighbours came from."""
+says which store its neighbours came from. The server is the one test_vector_stores.py uses too
+(tests/tenant_server.py: one start for both)."""
 
 from __future__ import annotations
 
@@ -17,81 +18,26 @@ import openai
 import pytest
 import requests
 import yaml
-from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy, until
+from conftest import TINY_SERVER, continuations, greedy, until
+from tenant_server import ALL, ENDINGS, KEY_FILE, KEYS, PREFIX, TOKEN, grant, write_keys
 
-from index_builder.build import build_datastore
-from knnlm_core.config import BuildConfig
 from knnlm_core.keys_file import key_hash
-from knnlm_serve.server.process import RunningServer, scrape_metrics
+from knnlm_serve.server.process import scrape_metrics
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "admin-s3cret"
-PREFIX = "The vault under the old lighthouse opens only when the keeper says the words"
-ENDINGS = {
-    "alpha": " zebra quartz maple lantern orbit velvet cobalt thistle ember falcon nimbus quill.",
-    "beta": " copper willow seven harbour drum silent orchid marble tiger frost anchor plume.",
-}
 QUESTION = "Which words does the keeper say to open the vault under the old lighthouse?"
 LENGTH = 10
-KEYS = {name: f"sk-knn-test-{name}" for name in ("a", "b", "gen", "rpm", "tpm", "old", "new")}
-
-
-def grant(key_id: str, secret: str, datastores: dict, **more) -> dict:
-    return {"id": key_id, "sha256": key_hash(secret), "datastores": datastores, **more}
-
-
-ALL = ["generate", "explain", "documents"]
-KEY_FILE = [
-    grant("team-a", KEYS["a"], {"alpha": ALL}, default="alpha"),
-    grant("team-b", KEYS["b"], {"beta": ALL}, default="beta"),
-    grant("gen-only", KEYS["gen"], {"alpha": ["generate"]}),
-    grant("per-minute", KEYS["rpm"], {"alpha": ["generate"]}, default="alpha", requests_per_minute=3),
-    grant("tokens", KEYS["tpm"], {"alpha": ["generate"]}, default="alpha", tokens_per_minute=20),
-    grant("expired", KEYS["old"], {"alpha": ALL}, default="alpha", expires="2020-01-01T00:00:00Z"),
-]
-
-
-def write_keys(path: Path, keys: list[dict]) -> None:
-    """Replaced whole, as an operator's tool would (a new inode: the server sees the change at once)."""
-    part = path.with_suffix(".part")
-    part.write_text(yaml.safe_dump({"keys": keys}, sort_keys=False))
-    part.replace(path)
 
 
 @pytest.fixture(scope="module")
-def root(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tenants")
-    for name, ending in ENDINGS.items():
-        (corpus := root / f"{name}-corpus").mkdir()
-        records = [
-            {"id": f"{name}-vault", "text": PREFIX + ending},
-            {"id": f"{name}-tide", "text": f"The {name} tide tables were mended before the boats went out again."},
-        ]
-        (corpus / "docs.jsonl").write_text("\n".join(json.dumps(r) for r in records))
-        config = BuildConfig(index="flat", context_length=128, stride=64)
-        build_datastore([corpus], root / name, tiny_model_dir, config, progress=False)
-    write_keys(root / "keys.yaml", KEY_FILE)
-    return root
+def root(tenant_root):
+    return tenant_root
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, root):
-    knn = {
-        "datastores": {"alpha": str(root / "alpha"), "beta": str(root / "beta")},
-        "default_datastore": "beta",  # team-a's requests that name none must not get the server's default
-        "k": 8,
-        "lambda": 1.0,
-        "draft_tokens": 3,
-        "keys_file": str(root / "keys.yaml"),
-        "audit_log": str(root / "audit.jsonl"),
-        "admin_token": TOKEN,
-        "datastore_root": str(root),
-        "ui": True,
-        **STRICT_KNN,
-    }
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root, api_key=KEYS["a"]) as server:
-        yield server
+def server(tenant_server):
+    return tenant_server
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +255,7 @@ def test_thirty_two_streams_of_two_tenants_share_batches_and_never_see_each_othe
 
 def test_the_admin_token_keeps_the_admin_routes_and_metrics_count_by_key(server):
     listing = requests.get(f"{server.base_url}/v1/knn/datastores", headers={"X-Admin-Token": TOKEN}, timeout=30).json()
-    assert sorted(d["name"] for d in listing["datastores"]) == ["alpha", "beta"]
+    assert sorted(d["name"] for d in listing["datastores"] if not d["name"].startswith("vs_")) == ["alpha", "beta", "main"]
     assert call(server, "GET", "/v1/knn/health", KEYS["a"]).status_code == 401  # a tenant key is no admin token
     until(
         lambda: scrape_metrics(server.base_url).get('knnlm_tenant_requests_total{decision="allowed",key="team-a"}', 0) > 0, 30, "no metric"

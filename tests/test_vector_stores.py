@@ -1,6 +1,8 @@
 """Files and Vector Stores through the unmodified `openai` client against a real server (tiny
 model, two tenants' keys): an uploaded file becomes a kNN datastore owned by its key, searched and
-recalled, and leaves no copy of its text behind once detached and deleted."""
+recalled, and leaves no copy of its text behind once detached and deleted. The server is the one
+test_tenants.py uses too (tests/tenant_server.py: Alice, Bob, `main` and an offline-built store
+beside the tenants' datastores)."""
 
 from __future__ import annotations
 
@@ -12,63 +14,25 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-import yaml
-from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy, until
+from conftest import continuations, greedy, until
+from tenant_server import KEYS, MAX_FILE_BYTES, TOKEN
 
-from index_builder.build import build_datastore
-from knnlm_core.config import BuildConfig
-from knnlm_core.keys_file import key_hash
-from knnlm_serve.server.process import RunningServer, metric_total, scrape_metrics
+from knnlm_serve.server.process import metric_total, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
-KEYS = {"alice": "sk-knn-test-alice", "bob": "sk-knn-test-bob"}
-TOKEN = "admin-s3cret"
 FACT = "The harbour lighthouse keeper of Vellmar island keeps the spare lens in the blue copper chest"
 ENDING = " beside the tide clock, wrapped in oiled sailcloth and tied with red cord."
-MAX_FILE_BYTES = 64 * 1024
-OFFLINE = "The orchard gate at Brannock farm is painted a deep plum colour every second spring."
 
 
 @pytest.fixture(scope="module")
-def root(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("vector-stores")
-    (corpus := root / "main-corpus").mkdir()
-    (corpus / "docs.txt").write_text("The tide tables were mended before the boats went out again.\n")
-    build_datastore([corpus], root / "main", tiny_model_dir, BuildConfig(index="flat", context_length=128, stride=64), progress=False)
-    keys = [{"id": who, "sha256": key_hash(secret), "datastores": {"main": ["generate"]}} for who, secret in KEYS.items()]
-    (root / "keys.yaml").write_text(yaml.safe_dump({"keys": keys}))
-    # A store of Alice's built offline from a folder, before the server starts (one file it cannot take).
-    (folder := root / "offline-docs").mkdir()
-    (folder / "orchard.md").write_text(OFFLINE)
-    (folder / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
-    built = subprocess.run(
-        [sys.executable, "-m", "index_builder.cli", "vector-store", str(root), str(folder), "--name", "offline", "--owner", "alice"]
-        + ["--model", str(tiny_model_dir), "--index", "flat", "--context-length", "128", "--stride", "64", "--quiet"],
-        capture_output=True,
-        text=True,
-    )
-    assert built.returncode == 0, built.stderr[-2000:]
-    assert "photo.png: left out (invalid_file)" in built.stderr and json.loads(built.stdout)["file_counts"]["completed"] == 1
-    return root
+def root(tenant_root):
+    return tenant_root
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, root):
-    knn = {
-        "datastores": {"main": str(root / "main")},
-        "k": 8,
-        "lambda": 1.0,
-        "keys_file": str(root / "keys.yaml"),
-        "audit_log": str(root / "audit.jsonl"),
-        "datastore_root": str(root),
-        "files": {"max_file_bytes": MAX_FILE_BYTES},
-        "backend": "ray",
-        "admin_token": TOKEN,
-        **STRICT_KNN,
-    }
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root, api_key=KEYS["alice"]) as server:
-        yield server
+def server(tenant_server):
+    return tenant_server
 
 
 def client(server, who: str) -> openai.OpenAI:
@@ -165,9 +129,9 @@ def test_an_uploaded_file_is_searched_and_recalled_through_its_store(server, ali
     # The store is a datastore of Alice's: kNN at λ 1 recalls the stored continuation.
     ids = continuations(tiny_model_dir, FACT, {"fact": FACT + ENDING}, 8)
     assert greedy(server, ids["prompt"], 8, api_key=KEYS["alice"], knn_datastore=store.id).token_ids == ids["fact"]
-    # ... searched in vLLM's worker (knn.files.store_search): no shard actor of its own, unlike `main`.
+    # ... searched in vLLM's worker (knn.files.store_search): no shard actor of its own, unlike the config's.
     shards = requests.get(f"{server.base_url}/v1/knn/health", headers={"X-Admin-Token": TOKEN}, timeout=60).json()["shards"]
-    assert {s["datastore"] for s in shards} == {"main"}
+    assert {s["datastore"] for s in shards} == {"alpha", "beta", "main"}
     listed = {
         d["name"]: d
         for d in requests.get(f"{server.base_url}/v1/knn/datastores", headers={"X-Admin-Token": TOKEN}, timeout=60).json()["datastores"]
