@@ -4,7 +4,9 @@ task event or not (docs/performance.md#soak). Ray alone, no knnlm-serve code.
     .venv/bin/python loadtest/task_events_memory.py --calls 60000 --events on
     .venv/bin/python loadtest/task_events_memory.py --calls 60000 --events off
     .venv/bin/python loadtest/task_events_memory.py --calls 0       # an idle cluster, 3 minutes
-    .venv/bin/python loadtest/task_events_memory.py --calls 0 --idle-minutes 60
+    .venv/bin/python loadtest/task_events_memory.py --calls 0 --idle-minutes 60 --out loadtest/results/ray-idle-60min.json
+
+The samples are printed as JSON at the end, and with --out written there with a plot beside it.
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
-import psutil
 import ray
 
 SAMPLES = 20
 
 
-def uss_mib(process_name: str) -> float:
-    """USS of this script's own Ray process of that name (a server's Ray may run beside it)."""
+def private_mib(process_name: str) -> tuple[float, float]:
+    """(USS, of it its pages of files: the executable's code read in as it runs, which the kernel
+    can drop and read again) of this script's own Ray process of that name, in MiB. Pages another
+    process maps too are in neither: a second Ray from the same files (a server's) shares the
+    executables' code, and this process's USS drops while it runs."""
     (info,) = ray._private.worker._global_node.all_processes[process_name]  # private: Ray lists its processes nowhere else
-    return round(psutil.Process(info.process.pid).memory_full_info().uss / 2**20, 1)
+    fields = dict(line.split(":") for line in Path(f"/proc/{info.process.pid}/smaps_rollup").read_text().splitlines()[1:])
+    kib = {name: int(value.split()[0]) for name, value in fields.items()}
+    return round((kib["Private_Clean"] + kib["Private_Dirty"]) / 1024, 1), round(kib["Private_Clean"] / 1024, 1)
 
 
 class Shard:
@@ -37,6 +44,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=60_000)
     parser.add_argument("--events", choices=("on", "off"), default="on", help="whether each call reports its task event")
     parser.add_argument("--idle-minutes", type=float, default=3.0, help="with --calls 0: how long the idle cluster is watched")
+    parser.add_argument("--out", type=Path, help="write the samples here as JSON, and a plot of them beside it (.png)")
     args = parser.parse_args()
     os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")  # as a cluster the server starts
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -48,8 +56,10 @@ def main() -> None:
 
     def sample(calls: int) -> None:
         time.sleep(1.5)  # events reach the GCS about once a second
+        (gcs, gcs_files), (raylet, raylet_files) = private_mib("gcs_server"), private_mib("raylet")
         samples.append(
-            {"calls": calls, "s": round(time.monotonic() - start, 1), "gcs_mib": uss_mib("gcs_server"), "raylet_mib": uss_mib("raylet")}
+            {"calls": calls, "s": round(time.monotonic() - start, 1), "gcs_mib": gcs, "gcs_files_mib": gcs_files}
+            | {"raylet_mib": raylet, "raylet_files_mib": raylet_files}
         )
         print(samples[-1], flush=True)
 
@@ -62,8 +72,34 @@ def main() -> None:
             sample(call)
         ray.get(method.remote(queries, 32))
     sample(args.calls)
-    print(json.dumps({"events": args.events, "calls": args.calls, "ray": ray.__version__, "samples": samples}))
+    record = {"events": args.events, "calls": args.calls, "ray": ray.__version__, "samples": samples}
+    print(json.dumps(record))
     ray.shutdown()
+    if args.out:
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+        plot(record, args.out.with_suffix(".png"))
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    minutes = [s["s"] / 60 for s in record["samples"]]
+    for process in ("gcs", "raylet"):
+        line = ax.plot(minutes, [s[f"{process}_mib"] for s in record["samples"]], marker=".", label=f"{process}: USS")[0]
+        if f"{process}_files_mib" in record["samples"][0]:
+            anonymous = [s[f"{process}_mib"] - s[f"{process}_files_mib"] for s in record["samples"]]
+            ax.plot(minutes, anonymous, linestyle="--", color=line.get_color(), label=f"{process}: USS less its files' pages")
+    ax.set_xlabel("minutes since Ray started")
+    ax.set_ylabel("USS, MiB")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Ray {record['ray']}: {record['calls']:,} calls, task events {record['events']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
