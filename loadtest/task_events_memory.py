@@ -97,7 +97,7 @@ def plot(record: dict, path: Path) -> None:
     ax.set_ylabel("USS, MiB")
     ax.set_ylim(bottom=0)
     ax.set_title(f"Ray {record['ray']}: {record['calls']:,} calls, task events {record['events']}", fontsize=9)
-    ax.legend()
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
