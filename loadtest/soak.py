@@ -85,13 +85,13 @@ def tenant_keys(shared: str | None) -> tuple[list[Tenant], list[dict]]:
     return tenants, keys
 
 
-def join_ray(namespace: str | None) -> None:
-    """Join the server's Ray cluster (the newest on this machine) to read its object store."""
-    if namespace is None:
+def join_ray(address: str | None, namespace: str | None) -> None:
+    """Join the server's Ray cluster (by its address: other clusters may run on this machine) to read its object store."""
+    if address is None:
         return
     import ray
 
-    ray.init(address="auto", namespace=namespace, log_to_driver=False, logging_level="ERROR")
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="ERROR")
 
 
 def audit_leaks(path: Path, tenants: list[Tenant]) -> list[dict]:
@@ -112,12 +112,14 @@ def audit_leaks(path: Path, tenants: list[Tenant]) -> list[dict]:
 
 def conclusions(samples: list[dict], requests: list[dict], faults: list[dict], duration_s: float, leaks: list[dict]) -> dict:
     failures = [r for r in requests if not r["ok"] and not (r["excusable"] and in_fault_window(r, faults))]
-    memory = {field: soak_samples.memory_trends(samples, field) for field in ("rss", "uss")}
+    # A leak grows anonymous memory; runs recorded before it was sampled are judged on USS.
+    judged = "anon" if all("anon" in r for s in samples for r in s["roles"].values()) else "uss"
+    memory = {field: soak_samples.memory_trends(samples, field) for field in ("rss", "uss", judged)}
     counts = {field: soak_samples.counts_growth(samples, field) for field in ("fds", "threads")}
     latency = soak_samples.latency_windows(requests, duration_s)
     disk = [s["datastore_root_bytes"] for s in samples]
     shm = [s.get("shm_entries") or 0 for s in soak_samples.after_warmup(samples)]
-    worst = max((t["growth"] or 0 for t in memory["uss"].values()), default=0)
+    worst = max((t["growth"] or 0 for t in memory[judged].values()), default=0)
     return {
         "requests": len(requests),
         "failures": len(failures),
@@ -127,6 +129,7 @@ def conclusions(samples: list[dict], requests: list[dict], faults: list[dict], d
         "faults": len(faults),
         "faults_failed": [f for f in faults if not f["ok"]],
         "memory": memory,
+        "memory_judged_on": judged,
         "counts": counts,
         "latency": latency,
         "shm_entries": {"start": shm[0] if shm else None, "end": shm[-1] if shm else None},
@@ -146,10 +149,15 @@ def conclusions(samples: list[dict], requests: list[dict], faults: list[dict], d
 
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # The server's Ray authenticates with a token unless RAY_AUTH_MODE says otherwise (Ray's default
+    # for the clusters it starts); join_ray joins it by address, which uses one only when told to,
+    # and Ray reads the mode once per process.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs/default.yaml", help="server config to start")
     parser.add_argument("--minutes", type=float, default=60.0)
     parser.add_argument("--concurrency", type=int, default=16, help="clients sending requests back to back")
+    parser.add_argument("--rate", type=float, default=0.0, help="requests a second from all clients at most (default: back to back)")
     parser.add_argument("--sample-every", type=float, default=30.0, help="seconds between samples")
     parser.add_argument("--fault-every", type=float, help="seconds between faults (default: each kind three times in the run)")
     parser.add_argument("--out", type=Path, default=ROOT / "results/soak", help="where each run's report and logs go (untracked)")
@@ -178,11 +186,13 @@ def main() -> None:
     print(f"soak: starting the server ({args.config}) ...", flush=True)
     with RunningServer(settings, workdir, api_key=tenants[0].key) as server:
         health = requests_json(server.base_url, "/v1/knn/health")
-        join_ray(health.get("ray_namespace"))
+        join_ray(health.get("ray_address"), health.get("ray_namespace"))
         traffic = Traffic(server.base_url, settings.get("served_model_name") or "default", shared, tenants)
         faults = Faults(traffic, TOKEN, root, keys_file, keys)
         stop = threading.Event()
-        threads = [threading.Thread(target=client_loop, args=(traffic, i, stop), daemon=True) for i in range(args.concurrency)]
+        request_every_s = args.concurrency / args.rate if args.rate else 0.0
+        clients = [(traffic, i, stop, request_every_s) for i in range(args.concurrency)]
+        threads = [threading.Thread(target=client_loop, args=client, daemon=True) for client in clients]
         threads.append(threading.Thread(target=fault_loop, args=(faults, every_s, stop), daemon=True))
         for thread in threads:
             thread.start()
@@ -202,6 +212,7 @@ def main() -> None:
         "config": str(args.config.resolve().relative_to(ROOT)) if args.config.resolve().is_relative_to(ROOT) else args.config.name,
         "minutes": args.minutes,
         "concurrency": args.concurrency,
+        "rate": args.rate or None,
         "fault_every_s": round(every_s, 1),
         "faults": faults.records,
         "samples": samples,

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 
+FIELDS = {"anon": "anonymous", "uss": "USS", "rss": "RSS"}
+
 
 def markdown(report: dict) -> str:
     c = report["conclusions"]
+    fields = [f for f in FIELDS if f in c["memory"]]  # the one the goal is judged on first
     lines = [
         f"# Soak ({report['created']}, {report['machine']})",
         "",
         f"`python loadtest/soak.py --minutes {report['minutes']:g}` at commit {report['commit']}: {report['config']} with two tenants "
-        f"and the admin API, {report['concurrency']} clients, a fault every {report['fault_every_s']:g} s.",
+        f"and the admin API, {clients(report)}, a fault every {report['fault_every_s']:g} s.",
         "",
         f"{c['requests']} requests, **{c['failures']} failures not caused on purpose**, {c['served_without_knn_during_faults']} served "
         f"without their stored answer while a fault took a shard away, {c['audit_leaks']} audit lines of one key naming the other's data; "
@@ -22,16 +25,15 @@ def markdown(report: dict) -> str:
         "|---|---|",
         *(f"| {name.replace('_', ' ')} | {'yes' if ok else '**no**'} |" for name, ok in c["checks"].items()),
         "",
-        "Memory per process after warm-up (the last three quarters; least-squares line; a role of several processes: their mean):",
+        "Memory per process after warm-up (the last three quarters; least-squares line; a role of several processes: their mean; "
+        f"the goal is judged on {FIELDS[c.get('memory_judged_on', 'uss')]} memory):",
         "",
-        "| process | USS MiB/h | USS growth | RSS MiB/h | RSS growth |",
-        "|---|---|---|---|---|",
+        "| process | " + " | ".join(f"{FIELDS[f]} MiB/h | {FIELDS[f]} growth" for f in fields) + " |",
+        "|---|" + "---|---|" * len(fields),
     ]
-    for name, uss in c["memory"]["uss"].items():
-        rss = c["memory"]["rss"][name]
-        lines.append(
-            f"| {name} | {mib(uss['slope_per_hour'])} | {pct(uss['growth'])} | {mib(rss['slope_per_hour'])} | {pct(rss['growth'])} |"
-        )
+    for name in c["memory"]["uss"]:
+        cells = [f"{mib(t['slope_per_hour'])} | {pct(t['growth'])}" for t in (c["memory"][f][name] for f in fields)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     latency = c["latency"]
     lines += [
         "",
@@ -54,6 +56,11 @@ def markdown(report: dict) -> str:
     if c["failure_examples"]:
         lines += ["", "Failures:", "", *(f"- {r['kind']} at {r['end_s']} s ({r['tenant']}): {r['error']}" for r in c["failure_examples"])]
     return "\n".join(lines) + "\n"
+
+
+def clients(report: dict) -> str:
+    rate = report.get("rate")
+    return f"{report['concurrency']} clients" + (f" at {rate:g} requests a second in all" if rate else "")
 
 
 def mib(value: float | None) -> str:
@@ -83,7 +90,7 @@ def plot(report: dict, path) -> None:
     memory.set_ylabel("USS, MiB")
     memory.set_yscale("log")
     memory.legend(fontsize=7, ncol=2)
-    memory.set_title(f"Soak: {report['minutes']:g} min, {report['concurrency']} clients, commit {report['commit']}")
+    memory.set_title(f"Soak: {report['minutes']:g} min, {clients(report)}, commit {report['commit']}")
     for field, style in (("fds", "-"), ("threads", "--")):
         counts.plot(minutes, [sum(v[field] for v in s["roles"].values()) for s in samples], style, label=f"open {field}")
     counts.set_ylabel("count, all processes")

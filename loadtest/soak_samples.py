@@ -1,7 +1,7 @@
 """What a soak samples every interval, and what it concludes from the samples.
 
 A sample is the server's process tree (the launcher, vLLM's engine core, Ray's GCS, raylet and
-actors, a document job's child) by role: RSS, USS, open descriptors and threads; plus the Ray
+actors, a document job's child) by role: RSS, USS, anonymous memory, open descriptors and threads; plus the Ray
 object store's use, the datastore root's bytes and the requests that ended since the last sample.
 Trends are least-squares lines over the samples after warm-up, so one spike neither hides nor
 fakes growth.
@@ -45,8 +45,19 @@ def role(process: psutil.Process) -> str:
     return name
 
 
+def anonymous_bytes(pid: int) -> int:
+    """The process's anonymous memory (heaps, arenas, stacks): what a leak grows. USS also holds
+    the pages of the libraries it has read in, which leave its USS while another process maps the
+    same ones (another server of the same installation beside the soak) and come back after."""
+    with open(f"/proc/{pid}/smaps_rollup") as rollup:
+        for line in rollup:
+            if line.startswith("Anonymous:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def process_sample(root_pid: int) -> dict[str, dict]:
-    """role -> summed rss, uss (bytes), fds, threads and process count, over `root_pid`'s tree."""
+    """role -> summed rss, uss, anon (bytes), fds, threads and process count, over `root_pid`'s tree."""
     try:
         top = psutil.Process(root_pid)
         tree = [top, *top.children(recursive=True)]
@@ -57,10 +68,11 @@ def process_sample(root_pid: int) -> dict[str, dict]:
         try:
             with process.oneshot():
                 memory = process.memory_full_info()
-                entry = {"rss": memory.rss, "uss": memory.uss, "fds": process.num_fds(), "threads": process.num_threads()}
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                entry = {"rss": memory.rss, "uss": memory.uss, "anon": anonymous_bytes(process.pid)}
+                entry.update(fds=process.num_fds(), threads=process.num_threads())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
-        total = roles.setdefault(role(process), {"rss": 0, "uss": 0, "fds": 0, "threads": 0, "processes": 0})
+        total = roles.setdefault(role(process), {"rss": 0, "uss": 0, "anon": 0, "fds": 0, "threads": 0, "processes": 0})
         for key, value in entry.items():
             total[key] += value
         total["processes"] += 1
@@ -122,7 +134,7 @@ def after_warmup(samples: list[dict], warmup_fraction: float = 0.25) -> list[dic
 
 
 def memory_trends(samples: list[dict], field: str) -> dict[str, dict]:
-    """role -> the trend of `field` (rss or uss) per process of the role over the samples after
+    """role -> the trend of `field` (rss, uss or anon) per process of the role over the samples after
     warm-up, for the roles present in every one of them (an add starts a shard actor, a compact
     ends some: their count changes by design, each one's memory should not grow)."""
     kept = after_warmup(samples)

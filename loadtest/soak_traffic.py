@@ -148,10 +148,12 @@ def refused_as_expected(traffic: Traffic, tenant: Tenant, bad: str) -> tuple[boo
     return ok, None if ok else f"{bad}: HTTP {response.status_code} {response.text[:200]}", False
 
 
-def client_loop(traffic: Traffic, index: int, stop: threading.Event) -> None:
-    """One client: the mix in turn, each request recorded with its outcome."""
-    turn = index
-    while not stop.is_set():
+def client_loop(traffic: Traffic, index: int, stop: threading.Event, every_s: float = 0.0) -> None:
+    """One client: the mix in turn, each request recorded with its outcome; a request every
+    `every_s` seconds at most (0: back to back)."""
+    turn, due = index, traffic.now()
+    while not stop.wait(max(0.0, due - traffic.now())):
+        due += every_s
         kind = KINDS[turn % len(KINDS)]
         with traffic.lock:
             tenant = traffic.tenants[index % len(traffic.tenants)]

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import yaml
 from tiny_models import make_tiny_model
 
 from knnlm_core.default_model import prepare_default_model
@@ -29,6 +34,7 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY_SERVER = {"served_model_name": "tiny", "enforce_eager": True, "kv_cache_gib": 0.25, "max_model_len": 512}
 # kNN settings every test server takes unless it tests fail-open itself: an error in kNN's per-step
 # path stops the engine, so a bug fails its test instead of being served LM-only (engine/faults.py).
@@ -60,6 +66,66 @@ def starting(server: RunningServer) -> Iterator[Future]:
         yield start
     if start.exception() is None:  # a start that failed has stopped its process already
         server.__exit__(None, None, None)
+
+
+# Modules that time nothing and stop no process of another's. With test_soak.py selected they run
+# first, while its five minutes go on in the background, then test_soak.py waits for the soak's
+# end, and the modules that time deadlines or kill processes and nodes run after it.
+BESIDE_THE_SOAK = (
+    "test_architectures",
+    "test_calibration",
+    "test_doc_items",
+    "test_docs",
+    "test_engine_units",
+    "test_eval",
+    "test_eval_tasks",
+    "test_explain",
+    "test_interpolate",
+    "test_keys_file",
+    "test_layout",
+    "test_model",
+    "test_passages",
+    "test_search",
+    "test_setup",
+    "test_task_items",
+    "test_ui",
+    "test_uploads",
+)
+SOAK = "test_soak"
+
+
+def pytest_collection_modifyitems(items) -> None:
+    if any(item.path.stem == SOAK for item in items):
+        items.sort(key=lambda item: 0 if item.path.stem in BESIDE_THE_SOAK else 1 if item.path.stem == SOAK else 2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def soak_in_background(request) -> None:
+    if any(item.path.stem == SOAK for item in request.session.items):
+        request.getfixturevalue("soak_run")
+
+
+@pytest.fixture(scope="session")
+def soak_run(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """loadtest/soak.py's five-minute run on the tiny model, started with the session (the soak
+    process, and the folder of its log and report). Its server's worker computes on the last core;
+    the tests' servers bind theirs to the first (vLLM's automatic binding)."""
+    out = tmp_path_factory.mktemp("soak")
+    config = out / "soak.yaml"
+    config.write_text(yaml.safe_dump({**TINY_SERVER, "model": str(tiny_model_dir), "knn": {"backend": "ray", "k": 8}}))
+    command = [sys.executable, "loadtest/soak.py", "--config", str(config), "--minutes", "5", "--concurrency", "4", "--rate", "2"]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(max(os.sched_getaffinity(0)))}
+    with open(out / "soak.log", "w") as log:
+        soak = subprocess.Popen(
+            [*command, "--fault-every", "20", "--out", str(out / "runs")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+        yield soak, out
+        if soak.poll() is None:  # the session ended before test_soak.py waited: its server stops with it
+            soak.send_signal(signal.SIGINT)
+            try:
+                soak.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                soak.kill()
 
 
 @pytest.fixture(scope="session")

@@ -113,13 +113,14 @@ def test_a_server_without_a_ray_address_starts_its_own_ray_beside_a_running_clus
     assert started.stdout.split()[-1] != cluster["cluster"].address
 
 
-def test_a_second_server_of_the_datastore_on_the_cluster_keeps_its_own_shard_actors(second_start, server, ids):
+def test_a_second_server_of_the_datastore_on_the_cluster_keeps_its_own_shard_actors(second_start, server, ids, cluster):
     """Replicas of one deployment behind a load balancer: each server's shard actors are its own
     without a setting, so what one server does to its datastore costs the other nothing."""
     before, second = fallbacks(server), second_start.result()  # it serves `main` from the same files
     try:
         assert complete(second, ids) == complete(server, ids) == ids["a"]
-        namespaces = {admin(s, "GET", "/health").json()["ray_namespace"] for s in (server, second)}
+        health = [admin(s, "GET", "/health").json() for s in (server, second)]
+        namespaces = {h["ray_namespace"] for h in health}
         assert admin(second, "DELETE", "/datastores/main").status_code == 200  # its actors stop once released
         until(lambda: admin(second, "GET", "/datastores").json()["datastores"] == [], 60, "the unloaded version was never released")
     finally:
@@ -127,6 +128,7 @@ def test_a_second_server_of_the_datastore_on_the_cluster_keeps_its_own_shard_act
     assert complete(server, ids) == ids["a"] and fallbacks(server) == before
     assert admin(server, "GET", "/health").json()["healthy"]
     assert len(namespaces) == 2, namespaces
+    assert {h["ray_address"] for h in health} == {cluster["cluster"].address}  # what a client joins to read its object store
 
 
 def test_shards_live_on_the_node_with_their_resource(server, cluster, ids):

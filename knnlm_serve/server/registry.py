@@ -180,7 +180,6 @@ class DatastoreRegistry:
 
     def health(self) -> dict:
         """Ask every serving shard actor who it is; a changed pid means Ray restarted it."""
-
         with self._lock:
             items = [
                 (info, shard, replica, actor)
@@ -192,8 +191,9 @@ class DatastoreRegistry:
         with self._lock:
             datastores = [self._health(info) for info in self.runtime.datastores.values()]
         healthy = all(s["status"] == "ok" for s in shards) and all(d["healthy"] for d in datastores)
-        namespace = self.runtime.knn.ray_namespace if self.runtime.knn.backend == "ray" else None
-        return {"healthy": healthy, "ray_namespace": namespace, "datastores": datastores, "model_cpus": self._model_cpus, "shards": shards}
+        address = self.runtime.ray_address  # None without Ray
+        ray = {"ray_address": address, "ray_namespace": self.runtime.knn.ray_namespace if address else None}
+        return {"healthy": healthy, **ray, "datastores": datastores, "model_cpus": self._model_cpus, "shards": shards}
 
     def _health(self, info: DatastoreInfo) -> dict:
         error = self._unhealthy.get(info.key)
