@@ -63,7 +63,7 @@ class RunningServer:
                         return self
             except (OSError, ValueError):
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         self.__exit__(None, None, None)
         raise TimeoutError(f"server did not start in {self.startup_timeout}s:\n{self.log_tail()}")
 
