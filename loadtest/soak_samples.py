@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 
 # Roles whose processes come and go by design: their sums jump, they do not creep.
-TRANSIENT = ("document job",)
+TRANSIENT = ("document job", "ray worker starting")
 
 
 def role(process: psutil.Process) -> str:
@@ -33,6 +33,8 @@ def role(process: psutil.Process) -> str:
     if first.startswith("ray::"):
         return "ray " + first[5:].split(".")[0].split(" ")[0]
     joined = " ".join(cmdline)
+    if "default_worker.py" in joined:  # not yet renamed; its flags name the raylet and the GCS
+        return "ray worker starting"
     if "index_builder.cli" in joined:
         return "document job"
     if "knnlm_serve.server.launcher" in joined:
