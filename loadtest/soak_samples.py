@@ -33,7 +33,7 @@ def role(process: psutil.Process) -> str:
     if first.startswith("ray::"):
         return "ray " + first[5:].split(".")[0].split(" ")[0]
     joined = " ".join(cmdline)
-    if "default_worker.py" in joined:  # not yet renamed; its flags name the raylet and the GCS
+    if any(arg.endswith("default_worker.py") for arg in cmdline):  # not yet renamed; its flags name the raylet
         return "ray worker starting"
     if "index_builder.cli" in joined:
         return "document job"
