@@ -244,9 +244,10 @@ def test_a_knn_error_stops_the_evaluation_instead_of_scoring_the_lm_alone(run, d
     while an evaluation must not report those rows as kNN's."""
     import shutil
 
+    import psutil
     from vllm import SamplingParams
 
-    from knnlm_serve.eval.score import open_engine
+    from knnlm_serve.eval.score import close_engine, open_engine
     from knnlm_serve.runtime import DatastoreInfo
 
     shutil.copytree(datastores["flat"], tmp_path / "flat")
@@ -259,4 +260,7 @@ def test_a_knn_error_stops_the_evaluation_instead_of_scoring_the_lm_alone(run, d
         with pytest.raises(Exception):  # noqa: B017, PT011 - vLLM reports the engine's failure in its own types
             llm.generate({"prompt_token_ids": [1, 504, 3000, 12]}, params, use_tqdm=False)
     finally:
-        del llm
+        close_engine(llm)
+    # Left running, the failed engine's process would keep this process from exiting.
+    engines = [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p for p in engines if "EngineCore" in p.name()], engines

@@ -19,6 +19,7 @@ from knnlm_core.pointers import consecutive, replay, shard_lookup
 from knnlm_core.search import open_shards
 from knnlm_serve.eval.score import (
     Variant,
+    close_engine,
     encode_keys,
     find_neighbours,
     full_retrieval_variant,
@@ -108,7 +109,7 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
     with clock.phase("knn_pass_s"):
         log_p_served = score_with_vllm(llm, text, {"knn": True, "knn_datastore": main, **setting}, config.progress)
     log_p_numpy = served_with_skips(log_p_lm, log_p_full, top_log_p, skip["threshold"])
-    del llm
+    close_engine(llm)
     full = full_retrieval_variant(variants, manifests)
     served_defaults = _served_defaults(
         checked[main][0], log_p_lm, top_log_p, sd, sm, swept.served_ids, replayer, tune, best, (full, neighbours[full])
