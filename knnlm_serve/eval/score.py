@@ -7,7 +7,6 @@ encoder over the same windows, and `find_neighbours` searches each datastore var
 
 from __future__ import annotations
 
-import atexit
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,15 +60,13 @@ def open_engine(model_dir: Path, datastores: list[DatastoreInfo], *, k: int, max
             else:
                 os.environ[name] = value
     llm.collective_rpc(ATTACH, args=(runtime.model_dump_json(),))
-    atexit.register(llm.llm_engine.engine_core.shutdown)
     return llm
 
 
 def close_engine(llm) -> None:
     """Stop the engine's processes now. An engine left to the garbage collector (an error's
     traceback holds it) keeps its engine process waiting for input, and Python's exit waits for that
-    process forever: open_engine also stops each engine at exit."""
-    atexit.unregister(llm.llm_engine.engine_core.shutdown)
+    process forever."""
     llm.llm_engine.engine_core.shutdown()
 
 
