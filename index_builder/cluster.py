@@ -105,13 +105,16 @@ class PartEncoder:
         self.node = f"{ray.util.get_node_ip_address()}/{ray.get_runtime_context().get_node_id()[:8]}"
         self.work = Path(work)
         seen = self.work / TOKEN_FILE
+        missing = []  # every fix the node needs, in one error: a new node often lacks both
         if not seen.exists() or token not in seen.read_text():
-            raise ClusterError(
-                f"node {self.node} does not see the build's work directory {work}: --ray needs the datastore's "
+            missing.append(
+                f"does not see the build's work directory {work}: --ray needs the datastore's "
                 "parent directory on a filesystem every node shares, at the same path"
             )
         if not (Path(model_dir) / "config.json").exists():
-            raise ClusterError(f"node {self.node} has no model at {model_dir}: put the model directory at the same path on every node")
+            missing.append(f"has no model at {model_dir}: put the model directory at the same path on every node")
+        if missing:
+            raise ClusterError(f"node {self.node} " + "; and it ".join(missing))
         if not torch.cuda.is_available():
             torch.set_num_threads(threads)
         self.encoder = KeyEncoder(Path(model_dir), key_type, dtype)
