@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the samples here as JSON, and a plot of them beside it (.png)")
     args = parser.parse_args()
     os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")  # as a cluster the server starts
-    ray.init(include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)  # its own cluster, never another on this machine
     actor = ray.remote(Shard).options(num_cpus=0).remote()
     method = actor.search if args.events == "on" else actor.search.options(enable_task_events=False)
     queries = np.random.default_rng(0).random((8, 576), dtype=np.float32)
@@ -72,7 +72,8 @@ def main() -> None:
             sample(call)
         ray.get(method.remote(queries, 32))
     sample(args.calls)
-    record = {"events": args.events, "calls": args.calls, "ray": ray.__version__, "samples": samples}
+    settings = {k: v for k, v in os.environ.items() if k.startswith(("RAY_", "MALLOC_"))}  # what the run changed of Ray's defaults
+    record = {"events": args.events, "calls": args.calls, "ray": ray.__version__, "environment": settings, "samples": samples}
     print(json.dumps(record))
     ray.shutdown()
     if args.out:

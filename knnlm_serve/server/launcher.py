@@ -97,6 +97,9 @@ def start_knn(config: ServeConfig, model_dir: Path) -> list[str]:
         # the GCS of a cluster started here keeps the last TASK_EVENTS_KEPT of, not Ray's 100,000.
         os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "200")
         os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", str(TASK_EVENTS_KEPT))
+        # Ray's own metrics are its dashboard's and exporter's, which this server runs neither of;
+        # collecting them grows a raylet started here for as long as it runs, idle or not.
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
         ray.init(
             address=ray_init_address(config.knn.ray_address),
             namespace=config.knn.ray_namespace,
