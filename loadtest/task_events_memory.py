@@ -5,6 +5,8 @@ task event or not (docs/performance.md#soak). Ray alone, no knnlm-serve code.
     .venv/bin/python loadtest/task_events_memory.py --calls 60000 --events off
     .venv/bin/python loadtest/task_events_memory.py --calls 0       # an idle cluster, 3 minutes
     .venv/bin/python loadtest/task_events_memory.py --calls 0 --idle-minutes 60 --out loadtest/results/ray-idle-60min.json
+    RAY_enable_metrics_collection=0 .venv/bin/python loadtest/task_events_memory.py --calls 0 --idle-minutes 60 --out ...
+    .venv/bin/python loadtest/task_events_memory.py --plot-runs A.json B.json --out runs.png   # no run: their raylets on one chart
 
 The samples are printed as JSON at the end, and with --out written there with a plot beside it.
 """
@@ -45,7 +47,10 @@ def main() -> None:
     parser.add_argument("--events", choices=("on", "off"), default="on", help="whether each call reports its task event")
     parser.add_argument("--idle-minutes", type=float, default=3.0, help="with --calls 0: how long the idle cluster is watched")
     parser.add_argument("--out", type=Path, help="write the samples here as JSON, and a plot of them beside it (.png)")
+    parser.add_argument("--plot-runs", type=Path, nargs="+", help="no run: plot these runs' raylets on one chart, to --out (.png)")
     args = parser.parse_args()
+    if args.plot_runs:
+        return plot_runs([json.loads(p.read_text()) for p in args.plot_runs], args.out)
     os.environ.setdefault("RAY_task_events_max_num_task_in_gcs", "10000")  # as a cluster the server starts
     ray.init(address="local", include_dashboard=False, log_to_driver=False)  # its own cluster, never another on this machine
     actor = ray.remote(Shard).options(num_cpus=0).remote()
@@ -99,6 +104,29 @@ def plot(record: dict, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title(f"Ray {record['ray']}: {record['calls']:,} calls, task events {record['events']}", fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_runs(records: list[dict], path: Path) -> None:
+    """Each run's raylet, USS less its executable's pages (what two raylets of one installation
+    running side by side do not share), labelled by the variables it alone ran with."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    shared = set.intersection(*(set(r.get("environment", {}).items()) for r in records))
+    for record in records:
+        label = ", ".join(f"{k}={v}" for k, v in sorted(set(record.get("environment", {}).items()) - shared)) or "Ray's defaults"
+        minutes = [s["s"] / 60 for s in record["samples"]]
+        ax.plot(minutes, [s["raylet_mib"] - s["raylet_files_mib"] for s in record["samples"]], marker=".", label=label)
+    ax.set_xlabel("minutes since Ray started")
+    ax.set_ylabel("raylet: USS less its files' pages, MiB")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Ray {records[0]['ray']}, idle: one actor, no call", fontsize=9)
+    ax.legend(loc="lower right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
