@@ -18,8 +18,6 @@ from tiny_models import make_tiny_model
 from knnlm_core.default_model import prepare_default_model
 from knnlm_serve.server.process import RunningServer
 
-pytest_plugins = ["prestart"]  # modules' setups begun beside the module before (tests/prestart.py)
-
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:

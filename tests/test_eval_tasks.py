@@ -9,7 +9,6 @@ import sys
 
 import pytest
 from conftest import STRICT_KNN, TINY_SERVER
-from prestart import prepared
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -27,8 +26,8 @@ def fact(n: int) -> tuple[str, str]:
     return f"Record {n} of the lighthouse keeper's log reads:", answer
 
 
-def prepare(tiny_model_dir, tmp_path_factory):
-    """The facts' datastore and the server (begun beside the module before: tests/prestart.py)."""
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("tasks")
     stored, heldout = [fact(n) for n in range(6)], [fact(n) for n in range(6, 9)]
     (work / "corpus.jsonl").write_text("".join(json.dumps({"text": p + a}) + "\n" for p, a in stored))
@@ -42,12 +41,6 @@ def prepare(tiny_model_dir, tmp_path_factory):
     knn = {"datastores": {"facts": str(work / "facts")}, "k": 8, "lambda": 0.25, **STRICT_KNN}
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
         yield server, work
-
-
-@pytest.fixture(scope="module")
-def setup(request):
-    with prepared(request, prepare) as value:
-        yield value
 
 
 def item_answers(work) -> dict[str, str]:

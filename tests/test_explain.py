@@ -11,7 +11,6 @@ import openai
 import pytest
 import requests
 from conftest import STRICT_KNN, TINY_SERVER, prompt_logprobs
-from prestart import prepared
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -34,9 +33,8 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-def prepare(tiny_model_dir, tmp_path_factory):
-    """Two datastores of one corpus, with and without provenance, and their server (begun beside
-    the module before: tests/prestart.py)."""
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("explain")
     (corpus := work / "corpus").mkdir()
     (corpus / "harbour.txt").write_text(TEXT)
@@ -56,12 +54,6 @@ def prepare(tiny_model_dir, tmp_path_factory):
         **STRICT_KNN,
     }
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def server(request):
-    with prepared(request, prepare) as server:
         yield server
 
 

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 from conftest import STRICT_KNN, TINY_SERVER, greedy, prompt_logprobs, starting
-from prestart import prepared
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -35,15 +33,15 @@ def token_ids(tiny_model_dir):
     return {name: tokenizer(text).input_ids for name, text in (("a", TEXT_A), ("b", TEXT_B))}
 
 
-def prepare(tiny_model_dir, tmp_path_factory, plain_tiny_start) -> Iterator[tuple[RunningServer, Future]]:
-    """The reference server over three datastores built here, and the fast server starting beside
-    it, as the plain one does from here on (begun beside the module before: tests/prestart.py)."""
+@pytest.fixture(scope="module")
+def knn_settings(tiny_model_dir, tmp_path_factory) -> dict:
+    """The reference server's kNN settings, over three datastores built here."""
     work = tmp_path_factory.mktemp("knn")
     config = BuildConfig(index="flat", context_length=128, stride=64)
     for name, text, shards in (("a", TEXT_A, 1), ("a3", TEXT_A, 3), ("b", TEXT_B, 1)):
         (work / f"{name}.txt").write_text(text)
         build_datastore([work / f"{name}.txt"], work / name, tiny_model_dir, config.model_copy(update={"shards": shards}), progress=False)
-    knn_settings = {
+    return {
         "datastores": {n: str(work / n) for n in ("a", "a3", "b")},
         "default_datastore": "a",
         "k": K,
@@ -58,11 +56,15 @@ def prepare(tiny_model_dir, tmp_path_factory, plain_tiny_start) -> Iterator[tupl
         "shard_timeout_s": 120.0,
         **STRICT_KNN,
     }
-    # The fast server: the reference's datastores and settings with each of its references turned
-    # on: searches started mid-forward (knn.overlap, under vLLM's compiled graph), shards reached
-    # through Ray Compiled Graphs, and vLLM's prompt-lookup (`ngram`) speculative decoding. One
-    # server for the three comparisons, starting beside the reference server's start and tests, as
-    # the plain server does (`plain_tiny_start`).
+
+
+@pytest.fixture(scope="module")
+def fast_start(knn_settings, tiny_model_dir, tmp_path_factory, plain_tiny_start):
+    """The reference server's datastores and settings with each of its references turned on:
+    searches started mid-forward (knn.overlap, under vLLM's compiled graph), shards reached
+    through Ray Compiled Graphs, and vLLM's prompt-lookup (`ngram`) speculative decoding. One
+    server for the three comparisons (an engine start is the suite's largest cost), starting
+    beside the reference server's start and tests, as the plain server does (`plain_tiny_start`)."""
     drafts = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     knn = {**knn_settings, "overlap": True, "compiled_graphs": True}
     config = {
@@ -72,25 +74,20 @@ def prepare(tiny_model_dir, tmp_path_factory, plain_tiny_start) -> Iterator[tupl
         "knn": knn,
         "vllm_args": ["--speculative-config", json.dumps(drafts)],
     }
-    with starting(RunningServer(config, tmp_path_factory.mktemp("fast"))) as fast_start:
-        with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn_settings}, work) as server:
-            yield server, fast_start
+    with starting(RunningServer(config, tmp_path_factory.mktemp("fast"))) as start:
+        yield start
 
 
 @pytest.fixture(scope="module")
-def prepared_servers(request):
-    with prepared(request, prepare) as value:
-        yield value
+def knn_server(knn_settings, fast_start, tiny_model_dir):
+    work = Path(knn_settings["datastores"]["a"]).parent
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn_settings}, work) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
-def knn_server(prepared_servers) -> RunningServer:
-    return prepared_servers[0]
-
-
-@pytest.fixture(scope="module")
-def fast_server(prepared_servers) -> RunningServer:
-    return prepared_servers[1].result()
+def fast_server(fast_start):
+    return fast_start.result()
 
 
 def complete(server, prompt, max_tokens=16, **xargs):

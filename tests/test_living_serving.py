@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,6 @@ import psutil
 import pytest
 import requests
 from conftest import TINY_SERVER, admin_knn, continuations, greedy, stream_while, until
-from prestart import prepared
 from test_index_builder import write_corpus
 from test_living_datastores import document_keys, held_near, nearest
 
@@ -35,33 +33,21 @@ FACT = PREFIX + " zebra quartz maple lantern orbit velvet cobalt thistle ember f
 LENGTH = 12
 
 
-def prepare(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[Path, RunningServer]]:
-    """Two datastores of one corpus (flat, and IVF-PQ) and their server with the admin API (begun
-    beside the module before: tests/prestart.py)."""
+@pytest.fixture(scope="module")
+def root(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("living")
     corpus = write_corpus(root / "corpus")
     config = BuildConfig(context_length=128, stride=64, shards=2, batch_size=4)
     build_datastore([corpus], root / "flat", tiny_model_dir, config.model_copy(update={"index": "flat"}), progress=False)
     build_datastore([corpus], root / "pq", tiny_model_dir, config.model_copy(update={"index": "ivfpq"}), progress=False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, root):
     knn = admin_knn(root, TOKEN, datastores={"flat": str(root / "flat"), "pq": str(root / "pq")}, replicas=2, follow_changes_s=1.0)
     with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
-        yield root, server
-
-
-@pytest.fixture(scope="module")
-def prepared_living(request):
-    with prepared(request, prepare) as value:
-        yield value
-
-
-@pytest.fixture(scope="module")
-def root(prepared_living) -> Path:
-    return prepared_living[0]
-
-
-@pytest.fixture(scope="module")
-def server(prepared_living) -> RunningServer:
-    return prepared_living[1]
+        yield server
 
 
 @pytest.fixture(scope="module")
