@@ -239,29 +239,27 @@ def test_evaluation_leaves_no_plugin_switch_in_the_environment(run):
 
 
 @pytest.mark.slow
-def test_a_knn_error_stops_the_evaluation_instead_of_scoring_the_lm_alone(run, datastores, tiny_model_dir, tmp_path):
-    """A datastore file replaced after the checks: a server answers from the LM alone (fail-open),
-    while an evaluation must not report those rows as kNN's."""
+def test_a_knn_error_stops_the_evaluation_instead_of_scoring_the_lm_alone(texts, datastores, tiny_model_dir, tmp_path, monkeypatch):
+    """A datastore file replaced after the checks and the sweep, before the engine's kNN pass: a
+    server answers from the LM alone (fail-open), while an evaluation must stop with the error,
+    and stop its engine with it (left running, the engine's process keeps Python from exiting)."""
     import shutil
 
     import psutil
-    from vllm import SamplingParams
 
-    from knnlm_serve.eval.score import close_engine, open_engine
-    from knnlm_serve.runtime import DatastoreInfo
+    from knnlm_serve.eval import run as evaluation
 
     shutil.copytree(datastores["flat"], tmp_path / "flat")
-    info = DatastoreInfo.of("flat", tmp_path / "flat", read_manifest(tmp_path / "flat"))
-    llm = open_engine(tiny_model_dir, [info], k=4, max_model_len=130, kv_cache_gib=0.25)
-    for index in (tmp_path / "flat").glob("shard-*/index.faiss"):
-        index.write_bytes(b"replaced")
-    params = SamplingParams(max_tokens=4, temperature=0.0, extra_args={"knn_lambda": 1.0})
-    try:
-        with pytest.raises(Exception):  # noqa: B017, PT011 - vLLM reports the engine's failure in its own types
-            llm.generate({"prompt_token_ids": [1, 504, 3000, 12]}, params, use_tqdm=False)
-    finally:
-        close_engine(llm)
-    # Left running, the failed engine's process would keep this process from exiting. Its own
-    # children only: the suite's background soak runs a server's engine further down this tree.
+    fitted = evaluation.fit_skip
+
+    def fit_then_replace(*args, **kwargs):
+        for index in (tmp_path / "flat").glob("shard-*/index.faiss"):
+            index.write_bytes(b"replaced")
+        return fitted(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "fit_skip", fit_then_replace)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - vLLM reports the engine's failure in its own types
+        evaluate([texts / "heldout.txt"], {"flat": tmp_path / "flat"}, tiny_model_dir, CONFIG)
+    # Its own children only: the suite's background soak runs a server's engine further down this tree.
     engines = [p for p in psutil.Process().children() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not [p for p in engines if "EngineCore" in p.name()], engines

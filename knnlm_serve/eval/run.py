@@ -85,31 +85,38 @@ def evaluate(inputs: list[str | Path], datastores: dict[str, str | Path], model_
             kv_cache_gib=config.kv_cache_gib,
             seed=config.seed,
         )
-    with clock.phase("base_pass_s"):
-        log_p_lm, top_log_p = score_with_vllm(llm, text, {"knn": False}, config.progress, top=True)
-    swept = _sweep_variants(variants, checked, text, log_p_lm, model_dir, config, clock)
-    results, neighbours = swept.results, swept.neighbours
+    try:  # an engine left open on an error keeps the process from exiting (close_engine)
+        with clock.phase("base_pass_s"):
+            log_p_lm, top_log_p = score_with_vllm(llm, text, {"knn": False}, config.progress, top=True)
+        swept = _sweep_variants(variants, checked, text, log_p_lm, model_dir, config, clock)
+        results, neighbours = swept.results, swept.neighbours
 
-    best_i = int(np.argmin([r["best"]["tune_ppl"] for r in results]))
-    best_v, best = variants[best_i], results[best_i]["best"]
-    distances, match = neighbours[best_v]
-    log_p_knn = knn_log_prob(distances, match, best["k"], best["temperature"])
-    adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, config)
+        best_i = int(np.argmin([r["best"]["tune_ppl"] for r in results]))
+        best_v, best = variants[best_i], results[best_i]["best"]
+        distances, match = neighbours[best_v]
+        log_p_knn = knn_log_prob(distances, match, best["k"], best["temperature"])
+        adaptive = fit_adaptive_lambda(log_p_lm, log_p_knn, distances[:, 0].astype(np.float64), tune, config)
 
-    # The served setting: the first datastore at its served nprobe, at its own best (k, τ, λ),
-    # with searches skipped where the LM is confident (the skip rule fitted to that setting).
-    served, sb = variants[0], results[0]["best"]
-    sd, sm = neighbours[served]
-    log_p_full = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
-    with clock.phase("pointers_s"):
-        replayer = PointerReplay.of(Path(checked[main][0].path), manifests[main], text, swept.keys[served.key_type], sd.shape[1])
-        pointers = replayer and _pointer_curve(replayer, sd, swept.served_ids, sb, log_p_lm, log_p_full, tune)
-    skip = fit_skip(log_p_lm, log_p_full, top_log_p, tune, config.skip_tolerance)
-    setting = {"knn_lambda": sb["lambda"], "knn_k": sb["k"], "knn_temperature": sb["temperature"], "knn_skip_threshold": skip["threshold"]}
-    with clock.phase("knn_pass_s"):
-        log_p_served = score_with_vllm(llm, text, {"knn": True, "knn_datastore": main, **setting}, config.progress)
-    log_p_numpy = served_with_skips(log_p_lm, log_p_full, top_log_p, skip["threshold"])
-    close_engine(llm)
+        # The served setting: the first datastore at its served nprobe, at its own best (k, τ, λ),
+        # with searches skipped where the LM is confident (the skip rule fitted to that setting).
+        served, sb = variants[0], results[0]["best"]
+        sd, sm = neighbours[served]
+        log_p_full = mixture_log_prob(log_p_lm, knn_log_prob(sd, sm, sb["k"], sb["temperature"]), sb["lambda"], np.isfinite(sd[:, 0]))
+        with clock.phase("pointers_s"):
+            replayer = PointerReplay.of(Path(checked[main][0].path), manifests[main], text, swept.keys[served.key_type], sd.shape[1])
+            pointers = replayer and _pointer_curve(replayer, sd, swept.served_ids, sb, log_p_lm, log_p_full, tune)
+        skip = fit_skip(log_p_lm, log_p_full, top_log_p, tune, config.skip_tolerance)
+        setting = {
+            "knn_lambda": sb["lambda"],
+            "knn_k": sb["k"],
+            "knn_temperature": sb["temperature"],
+            "knn_skip_threshold": skip["threshold"],
+        }
+        with clock.phase("knn_pass_s"):
+            log_p_served = score_with_vllm(llm, text, {"knn": True, "knn_datastore": main, **setting}, config.progress)
+        log_p_numpy = served_with_skips(log_p_lm, log_p_full, top_log_p, skip["threshold"])
+    finally:
+        close_engine(llm)
     full = full_retrieval_variant(variants, manifests)
     served_defaults = _served_defaults(
         checked[main][0], log_p_lm, top_log_p, sd, sm, swept.served_ids, replayer, tune, best, (full, neighbours[full])
