@@ -61,11 +61,14 @@ def starting(server: RunningServer) -> Iterator[Future]:
     """`server` starting in the background, and stopped on exit: a start is mostly one process at
     a time importing vLLM, so another server's start or tests can use the other core meanwhile.
     The future's result is the running server, or the start's error."""
-    with ThreadPoolExecutor(1) as pool:
-        start = pool.submit(server.__enter__)
+    pool = ThreadPoolExecutor(1)
+    start = pool.submit(server.__enter__)
+    pool.shutdown(wait=False)
+    try:
         yield start
-    if start.exception() is None:  # a start that failed has stopped its process already
-        server.__exit__(None, None, None)
+    finally:  # on an error too: a server left running outlives the session, engine and Ray with it
+        if start.exception() is None:  # waits for the start; one that failed has stopped its process already
+            server.__exit__(None, None, None)
 
 
 # Modules that time nothing and stop no process of another's. With test_soak.py selected they run
