@@ -87,46 +87,43 @@ def main() -> None:
 
 
 def plot(record: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = _figure()
     minutes = [s["s"] / 60 for s in record["samples"]]
     for process in ("gcs", "raylet"):
         line = ax.plot(minutes, [s[f"{process}_mib"] for s in record["samples"]], marker=".", label=f"{process}: USS")[0]
         if f"{process}_files_mib" in record["samples"][0]:
             anonymous = [s[f"{process}_mib"] - s[f"{process}_files_mib"] for s in record["samples"]]
             ax.plot(minutes, anonymous, linestyle="--", color=line.get_color(), label=f"{process}: USS less its files' pages")
-    ax.set_xlabel("minutes since Ray started")
-    ax.set_ylabel("USS, MiB")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"Ray {record['ray']}: {record['calls']:,} calls, task events {record['events']}", fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, ax, path, "USS, MiB", f"Ray {record['ray']}: {record['calls']:,} calls, task events {record['events']}")
 
 
 def plot_runs(records: list[dict], path: Path) -> None:
     """Each run's raylet, USS less its executable's pages (what two raylets of one installation
     running side by side do not share), labelled by the variables it alone ran with."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = _figure()
     shared = set.intersection(*(set(r.get("environment", {}).items()) for r in records))
     for record in records:
         label = ", ".join(f"{k}={v}" for k, v in sorted(set(record.get("environment", {}).items()) - shared)) or "Ray's defaults"
         minutes = [s["s"] / 60 for s in record["samples"]]
         ax.plot(minutes, [s["raylet_mib"] - s["raylet_files_mib"] for s in record["samples"]], marker=".", label=label)
+    _save(fig, ax, path, "raylet: USS less its files' pages, MiB", f"Ray {records[0]['ray']}, idle: one actor, no call")
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(6, 3.5))
+
+
+def _save(fig, ax, path: Path, ylabel: str, title: str) -> None:
     ax.set_xlabel("minutes since Ray started")
-    ax.set_ylabel("raylet: USS less its files' pages, MiB")
+    ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Ray {records[0]['ray']}, idle: one actor, no call", fontsize=9)
-    ax.legend(loc="lower right", fontsize=7)
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
