@@ -163,6 +163,16 @@ def tenant_server(tenant_root, tiny_model_dir):
         yield server
 
 
+@pytest.fixture(scope="session")
+def local_server(tmp_path_factory, tiny_model_dir):
+    """The server without Ray that test_eval_tasks, test_explain and test_ui share (tests/local_server.py)."""
+    import local_server as shared
+
+    root = tmp_path_factory.mktemp("local")
+    with RunningServer(shared.config(root, tiny_model_dir), root) as server:
+        yield server
+
+
 def until(condition, timeout: float, what: str) -> None:
     """Wait for `condition()`, failing with `what` after `timeout` seconds."""
     import time

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import STRICT_KNN, TINY_SERVER
+from local_server import serving
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
 from knnlm_serve.eval.tasks import names
-from knnlm_serve.server.process import RunningServer
 
 pytestmark = pytest.mark.slow
 
@@ -27,8 +27,8 @@ def fact(n: int) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("tasks")
+def setup(local_server, tiny_model_dir):
+    (work := Path(local_server.config["knn"]["datastore_root"]) / "tasks").mkdir()
     stored, heldout = [fact(n) for n in range(6)], [fact(n) for n in range(6, 9)]
     (work / "corpus.jsonl").write_text("".join(json.dumps({"text": p + a}) + "\n" for p, a in stored))
     build_datastore(
@@ -38,9 +38,8 @@ def setup(tiny_model_dir, tmp_path_factory):
     items += [{"prompt": p, "answer": a, "id": f"h{n}", "kind": "heldout"} for n, (p, a) in enumerate(heldout)]
     items.append({"prompt": stored[0][0] + " ", "answer": stored[0][1].lstrip(), "id": "split", "kind": "stored"})  # boundary in a token
     (work / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
-    knn = {"datastores": {"facts": str(work / "facts")}, "k": 8, "lambda": 0.25, **STRICT_KNN}
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
-        yield server, work
+    with serving(local_server, {"facts": work / "facts"}, default="facts"):
+        yield local_server, work
 
 
 def item_answers(work) -> dict[str, str]:

@@ -5,17 +5,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 import requests
-from conftest import STRICT_KNN, TINY_SERVER, prompt_logprobs
+from conftest import prompt_logprobs
+from local_server import LAMBDAS, serving
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import read_manifest, write_manifest
-from knnlm_serve.server.process import RunningServer
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +24,7 @@ PREFIX = "The ferry log of the southern harbour says that on the last morning of
 CONTINUATION = " a whale the colour of slate rose beside the pier, and every bell in the town rang until noon."
 TEXT = PREFIX + CONTINUATION
 RECORDS = [{"id": "tide-7", "text": "High tide came at six, and the nets were mended before the boats went out again."}]
-LAMBDA, GENERATE = 0.75, 12
+LAMBDA, GENERATE = LAMBDAS["docs"], 12
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,9 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("explain")
-    (corpus := work / "corpus").mkdir()
+def server(local_server, tiny_model_dir):
+    work = Path(local_server.config["knn"]["datastore_root"]) / "explain"
+    (corpus := work / "corpus").mkdir(parents=True)
     (corpus / "harbour.txt").write_text(TEXT)
     (corpus / "tides.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
     build_datastore(
@@ -46,15 +47,8 @@ def server(tiny_model_dir, tmp_path_factory):
     build_datastore([corpus], work / "old", tiny_model_dir, BuildConfig(index="flat", context_length=128, stride=64), progress=False)
     write_manifest(work / "old", read_manifest(work / "old").model_copy(update={"provenance": None}))
     (work / "old" / "provenance.json").unlink()
-    knn = {
-        "datastores": {"docs": str(work / "docs"), "old": str(work / "old")},
-        "default_datastore": "docs",
-        "k": 8,
-        "lambda": LAMBDA,
-        **STRICT_KNN,
-    }
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, work) as server:
-        yield server
+    with serving(local_server, {"docs": work / "docs", "old": work / "old"}, default="docs"):
+        yield local_server
 
 
 def explain(server, **body) -> requests.Response:
@@ -112,10 +106,6 @@ def test_documents_come_back_whole_with_where_they_came_from(server):
     assert (harbour["source"], harbour["text"], harbour["sha256"]) == ("harbour.txt", TEXT, hashlib.sha256(TEXT.encode()).hexdigest())
     record = requests.get(f"{server.base_url}/v1/knn/documents/docs/1", timeout=30).json()
     assert (record["source"], record["line"], record["id"], record["text"]) == ("tides.jsonl", 1, "tide-7", RECORDS[0]["text"])
-
-
-def test_the_knn_page_is_a_404_where_knn_ui_is_off(server):
-    assert requests.get(f"{server.base_url}/knn/ui/", timeout=30).status_code == 404
 
 
 @pytest.mark.parametrize(

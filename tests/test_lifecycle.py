@@ -167,6 +167,10 @@ def server_entries(server) -> int:
     return admin(server, "GET", "/datastores").json()["datastores"][0]["entries"]
 
 
+def test_the_knn_page_is_a_404_where_knn_ui_is_off(server):
+    assert requests.get(f"{server.base_url}/knn/ui/", timeout=30).status_code == 404
+
+
 def test_admin_needs_the_admin_token(server):
     assert admin(server, "GET", "/datastores", token=None).status_code == 401
     assert admin(server, "GET", "/datastores", token="wrong").status_code == 401

@@ -9,15 +9,14 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import STRICT_KNN, TINY_SERVER
+from local_server import TOKEN, serving
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
-from knnlm_serve.server.process import RunningServer
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "page-admin"
+NAME = "page"  # the datastore the page serves by default (λ 1)
 PREFIX = "The vault under the old lighthouse opens only when the keeper says the words"
 FACT = " zebra quartz maple lantern orbit velvet cobalt thistle ember falcon nimbus quill."
 ADDED_PREFIX = "The ferry to the northern islands leaves only after the harbour master rings"
@@ -26,26 +25,17 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "ui"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("page")
-    (corpus := root / "corpus").mkdir()
+def server(local_server, tiny_model_dir):
+    (corpus := Path(local_server.config["knn"]["datastore_root"]) / "page" / "corpus").mkdir(parents=True)
     records = [
         {"id": "vault-doc", "text": PREFIX + FACT},
         {"id": "tide-doc", "text": "High tide came at six, and the nets were mended before the boats went out again."},
     ]
     (corpus / "docs.jsonl").write_text("\n".join(json.dumps(r) for r in records))
-    build_datastore([corpus], root / "docs", tiny_model_dir, BuildConfig(index="flat", context_length=128, stride=64), progress=False)
-    knn = {
-        "datastores": {"docs": str(root / "docs")},
-        "k": 8,
-        "lambda": 1.0,
-        "ui": True,
-        "admin_token": TOKEN,
-        "datastore_root": str(root),
-        **STRICT_KNN,
-    }
-    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
-        yield server
+    docs = corpus.parent / "docs"
+    build_datastore([corpus], docs, tiny_model_dir, BuildConfig(index="flat", context_length=128, stride=64), progress=False)
+    with serving(local_server, {NAME: docs}, default=NAME):
+        yield local_server
 
 
 @pytest.fixture
@@ -112,14 +102,14 @@ def test_an_admin_add_through_the_page_changes_the_answer_and_the_token_is_never
     page.click("#show-datastores")
     page.fill("#admin-token", TOKEN)
     page.dispatch_event("#admin-token", "change")
-    page.wait_for_selector("#datastore-rows tr[data-name=docs]")
-    assert page.inner_text("#datastore-rows tr[data-name=docs] td:nth-child(2)") == "1"  # version
-    page.fill("#add-datastore", "docs")
+    page.wait_for_selector(f"#datastore-rows tr[data-name={NAME}]")
+    assert page.inner_text(f"#datastore-rows tr[data-name={NAME}] td:nth-child(2)") == "1"  # version
+    page.fill("#add-datastore", NAME)
     page.fill("#add-id", "ferry-doc")
     page.fill("#add-text", ADDED_PREFIX + ADDED)
     page.click("#add")
     page.wait_for_function("document.getElementById('job').textContent.includes(': done')", timeout=300_000)
-    page.wait_for_function("document.querySelector('#datastore-rows tr[data-name=docs] td:nth-child(2)').textContent === '2'")
+    page.wait_for_function(f"document.querySelector('#datastore-rows tr[data-name={NAME}] td:nth-child(2)').textContent === '2'")
     screenshot(page, "datastores", tmp_path)
     page.click("#show-compare")
     run(page, ADDED_PREFIX, max_tokens=10)
