@@ -36,6 +36,9 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SERVER = {"served_model_name": "tiny", "enforce_eager": True, "kv_cache_gib": 0.25, "max_model_len": 512}
+# Ray's test clusters health-check their raylets each second, two misses a node's death: Ray's
+# defaults take about 15 s to see a killed raylet, waited for with both cores idle.
+RAY_NODE_DEATH_IN_2_S = {"health_check_period_ms": 1000, "health_check_failure_threshold": 2}
 # kNN settings every test server takes unless it tests fail-open itself: an error in kNN's per-step
 # path stops the engine, so a bug fails its test instead of being served LM-only (engine/faults.py).
 STRICT_KNN = {"fail_open": False}
@@ -165,7 +168,8 @@ def tenant_server(tenant_root, tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def local_server(tmp_path_factory, tiny_model_dir):
-    """The server without Ray that test_eval_tasks, test_explain and test_ui share (tests/local_server.py)."""
+    """The server without Ray that test_eval_tasks, test_explain, test_ui and test_tensor_parallel
+    (its one-rank reference) share (tests/local_server.py)."""
     import local_server as shared
 
     root = tmp_path_factory.mktemp("local")

@@ -1,6 +1,7 @@
-"""The server that tests/test_eval_tasks.py, tests/test_explain.py and tests/test_ui.py share,
-started once for the three (conftest's `local_server`): the local backend (no Ray), the page, and
-the admin API over one datastore root.
+"""The server that tests/test_eval_tasks.py, tests/test_explain.py, tests/test_ui.py and
+tests/test_tensor_parallel.py (its one-rank reference) share, started once for the four
+(conftest's `local_server`): the local backend (no Ray), the page, and the admin API over one
+datastore root.
 
 Each module builds its datastores below the shared root and loads them through the admin API for
 its own tests (`serving`), its own the default meanwhile, and unloads them after: what one module
@@ -43,6 +44,14 @@ def config(root: Path, model: Path) -> dict:
     return {**TINY_SERVER, "model": str(model), "knn": knn}
 
 
+def folder_below_root(server, name: str) -> Path:
+    """A new folder for one module's corpora and datastores, below the server's datastore root
+    (where the admin API loads from)."""
+    folder = Path(server.config["knn"]["datastore_root"]) / name
+    folder.mkdir()
+    return folder
+
+
 def admin(server, method: str, route: str, **body) -> requests.Response:
     return requests.request(method, f"{server.base_url}/v1/knn{route}", json=body or None, headers={"X-Admin-Token": TOKEN}, timeout=120)
 
@@ -60,4 +69,5 @@ def serving(server, datastores: dict[str, Path], default: str) -> Iterator[None]
     finally:
         assert admin(server, "PUT", "/default", name="base").status_code == 200
         for name in datastores:
-            admin(server, "DELETE", f"/datastores/{name}")
+            unloaded = admin(server, "DELETE", f"/datastores/{name}")
+            assert unloaded.status_code == 200, unloaded.text

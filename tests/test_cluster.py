@@ -12,7 +12,7 @@ import time
 
 import pytest
 import requests
-from conftest import TINY_SERVER, admin_knn, greedy, starting, stream_while, until
+from conftest import RAY_NODE_DEATH_IN_2_S, TINY_SERVER, admin_knn, greedy, starting, stream_while, until
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -40,7 +40,8 @@ def cluster():
     """{"cluster": Ray's test cluster, "shard_node": its second node (replaced when a test kills it)}."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False, "resources": {ANY_NODE: 1}})
+    head = {"num_cpus": 2, "include_dashboard": False, "resources": {ANY_NODE: 1}, "_system_config": RAY_NODE_DEATH_IN_2_S}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     state = {"cluster": cluster, "shard_node": add_shard_node(cluster)}
     yield state
     cluster.shutdown()
@@ -74,10 +75,16 @@ def serve(tiny_model_dir, cluster, root, workdir: str, **knn_settings):
     return RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, workdir)
 
 
+# Each replica a step asks gets half of what is left of the deadline: 2 s, room for a loaded machine
+# while Ray has not yet noticed the node is gone (calls to its actors hang until then).
+REPLICAS = {"replicas": 2, "shard_resources": {ANY_NODE: 0.01}, "shard_timeout_s": 4.0}
+
+
 @pytest.fixture(scope="module")
 def second_start(tiny_model_dir, cluster, root):
-    """A second server of the same datastore on the cluster, starting beside the first."""
-    with starting(serve(tiny_model_dir, cluster, root, "second")) as start:
+    """A second server of the same datastore on the cluster, starting beside the first: two
+    replicas of each shard, on any node."""
+    with starting(serve(tiny_model_dir, cluster, root, "second", **REPLICAS)) as start:
         yield start
 
 
@@ -117,14 +124,11 @@ def test_a_second_server_of_the_datastore_on_the_cluster_keeps_its_own_shard_act
     """Replicas of one deployment behind a load balancer: each server's shard actors are its own
     without a setting, so what one server does to its datastore costs the other nothing."""
     before, second = fallbacks(server), second_start.result()  # it serves `main` from the same files
-    try:
-        assert complete(second, ids) == complete(server, ids) == ids["a"]
-        health = [admin(s, "GET", "/health").json() for s in (server, second)]
-        namespaces = {h["ray_namespace"] for h in health}
-        assert admin(second, "DELETE", "/datastores/main").status_code == 200  # its actors stop once released
-        until(lambda: admin(second, "GET", "/datastores").json()["datastores"] == [], 60, "the unloaded version was never released")
-    finally:
-        second.__exit__(None, None, None)  # the rest of the module runs beside no other server
+    assert complete(second, ids) == complete(server, ids) == ids["a"]
+    health = [admin(s, "GET", "/health").json() for s in (server, second)]
+    namespaces = {h["ray_namespace"] for h in health}
+    assert admin(second, "DELETE", "/datastores/main").status_code == 200  # its actors stop once released
+    until(lambda: admin(second, "GET", "/datastores").json()["datastores"] == [], 60, "the unloaded version was never released")
     assert complete(server, ids) == ids["a"] and fallbacks(server) == before
     assert admin(server, "GET", "/health").json()["healthy"]
     assert len(namespaces) == 2, namespaces
@@ -172,22 +176,19 @@ def test_the_shard_node_dies_and_comes_back_without_a_restart(server, cluster, i
     assert complete(server, ids) == expected and fallbacks(server) == settled
 
 
-def test_with_a_replica_on_each_node_losing_one_costs_no_fallback(tiny_model_dir, cluster, root, ids):
-    ray_cluster, head = cluster["cluster"], cluster["cluster"].head_node
-    # Each replica a step asks gets half of what is left of the deadline: 2 s, room for a loaded machine
-    # while Ray has not yet noticed the node is gone (calls to its actors hang until then).
-    settings = {"replicas": 2, "shard_resources": {ANY_NODE: 0.01}, "shard_timeout_s": 4.0}
-    with serve(tiny_model_dir, cluster, root, "replicas", **settings) as server:
-        placed = {(s["shard"], s["node"]) for s in admin(server, "GET", "/health").json()["shards"]}
-        assert placed == {(shard, node) for shard in ("shard-000", "shard-001") for node in (head.node_id, cluster["shard_node"].node_id)}
-        assert complete(server, ids) == ids["a"]
-        before = fallbacks(server)
+def test_with_a_replica_on_each_node_losing_one_costs_no_fallback(second_start, cluster, ids):
+    ray_cluster, head, server = cluster["cluster"], cluster["cluster"].head_node, second_start.result()
+    assert admin(server, "POST", "/datastores", name="main", path="a").status_code == 200  # its first test unloaded it
+    placed = {(s["shard"], s["node"]) for s in admin(server, "GET", "/health").json()["shards"]}
+    assert placed == {(shard, node) for shard in ("shard-000", "shard-001") for node in (head.node_id, cluster["shard_node"].node_id)}
+    assert complete(server, ids) == ids["a"]
+    before = fallbacks(server)
 
-        def lose_the_node():
-            time.sleep(2)
-            ray_cluster.remove_node(cluster["shard_node"], allow_graceful=False)
-            time.sleep(5)
+    def lose_the_node():
+        time.sleep(2)
+        ray_cluster.remove_node(cluster["shard_node"], allow_graceful=False)
+        time.sleep(5)
 
-        results, errors = stream_while(server, ids["prompt"], CONTINUATION, lose_the_node)
-        assert errors == [] and results and all(r == ids["a"] for r in results)  # kNN served every step
-        assert fallbacks(server) == before
+    results, errors = stream_while(server, ids["prompt"], CONTINUATION, lose_the_node)
+    assert errors == [] and results and all(r == ids["a"] for r in results)  # kNN served every step
+    assert fallbacks(server) == before

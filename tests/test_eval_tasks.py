@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from local_server import serving
+from local_server import folder_below_root, serving
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -28,7 +27,7 @@ def fact(n: int) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def setup(local_server, tiny_model_dir):
-    (work := Path(local_server.config["knn"]["datastore_root"]) / "tasks").mkdir()
+    work = folder_below_root(local_server, "tasks")
     stored, heldout = [fact(n) for n in range(6)], [fact(n) for n in range(6, 9)]
     (work / "corpus.jsonl").write_text("".join(json.dumps({"text": p + a}) + "\n" for p, a in stored))
     build_datastore(

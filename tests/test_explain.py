@@ -5,14 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 import requests
 from conftest import prompt_logprobs
-from local_server import LAMBDAS, serving
+from local_server import LAMBDAS, folder_below_root, serving
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -36,8 +35,7 @@ def tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(local_server, tiny_model_dir):
-    work = Path(local_server.config["knn"]["datastore_root"]) / "explain"
-    (corpus := work / "corpus").mkdir(parents=True)
+    (corpus := (work := folder_below_root(local_server, "explain")) / "corpus").mkdir()
     (corpus / "harbour.txt").write_text(TEXT)
     (corpus / "tides.jsonl").write_text("\n".join(json.dumps(r) for r in RECORDS))
     build_datastore(

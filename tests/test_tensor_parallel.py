@@ -9,8 +9,9 @@ import shutil
 import numpy as np
 import pytest
 import requests
-from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy, starting
+from conftest import STRICT_KNN, TINY_SERVER, continuations, greedy
 from datastore_edits import save
+from local_server import folder_below_root, serving
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -28,8 +29,9 @@ LENGTH = 10
 
 
 @pytest.fixture(scope="module")
-def root(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("tensor-parallel")
+def root(local_server, tiny_model_dir):
+    """The datastores, below the shared local server's root: it serves `a` as one rank does."""
+    root = folder_below_root(local_server, "tensor-parallel")
     config = BuildConfig(index="flat", context_length=128, stride=64)
     for name, text in TEXTS.items():
         (root / f"{name}.txt").write_text(text)
@@ -52,17 +54,13 @@ def knn(root, **settings) -> dict:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_dir, root):
-    """(one rank, two ranks with datastore drafts and fail-open): the second starts while the first serves."""
-    (root / "tp1").mkdir()
+def servers(local_server, tiny_model_dir, root):
+    """(one rank: the shared local server serving `a` at λ 1 and k 8, two ranks with datastore
+    drafts and fail-open)."""
+    two = {**TINY_SERVER, "model": str(tiny_model_dir), "tensor_parallel_size": 2, "knn": knn(root, draft_tokens=3, fail_open=True)}
     (root / "tp2").mkdir()
-    one = RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn(root)}, root / "tp1")
-    two = RunningServer(
-        {**TINY_SERVER, "model": str(tiny_model_dir), "tensor_parallel_size": 2, "knn": knn(root, draft_tokens=3, fail_open=True)},
-        root / "tp2",
-    )
-    with starting(one) as first, starting(two) as second:
-        yield first.result(), second.result()
+    with serving(local_server, {"tp-a": root / "a"}, default="tp-a"), RunningServer(two, root / "tp2") as server:
+        yield local_server, server
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from local_server import TOKEN, serving
+from local_server import TOKEN, folder_below_root, serving
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -26,7 +26,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "ui"
 
 @pytest.fixture(scope="module")
 def server(local_server, tiny_model_dir):
-    (corpus := Path(local_server.config["knn"]["datastore_root"]) / "page" / "corpus").mkdir(parents=True)
+    (corpus := folder_below_root(local_server, "page") / "corpus").mkdir()
     records = [
         {"id": "vault-doc", "text": PREFIX + FACT},
         {"id": "tide-doc", "text": "High tide came at six, and the nets were mended before the boats went out again."},
