@@ -36,9 +36,6 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_SERVER = {"served_model_name": "tiny", "enforce_eager": True, "kv_cache_gib": 0.25, "max_model_len": 512}
-# Ray's test clusters health-check their raylets each second, two misses a node's death: Ray's
-# defaults take about 15 s to see a killed raylet, waited for with both cores idle.
-RAY_NODE_DEATH_IN_2_S = {"health_check_period_ms": 1000, "health_check_failure_threshold": 2}
 # kNN settings every test server takes unless it tests fail-open itself: an error in kNN's per-step
 # path stops the engine, so a bug fails its test instead of being served LM-only (engine/faults.py).
 STRICT_KNN = {"fail_open": False}

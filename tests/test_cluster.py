@@ -12,7 +12,7 @@ import time
 
 import pytest
 import requests
-from conftest import RAY_NODE_DEATH_IN_2_S, TINY_SERVER, admin_knn, greedy, starting, stream_while, until
+from conftest import TINY_SERVER, admin_knn, greedy, starting, stream_while, until
 
 from index_builder.build import build_datastore
 from knnlm_core.config import BuildConfig
@@ -40,8 +40,7 @@ def cluster():
     """{"cluster": Ray's test cluster, "shard_node": its second node (replaced when a test kills it)}."""
     from ray.cluster_utils import Cluster
 
-    head = {"num_cpus": 2, "include_dashboard": False, "resources": {ANY_NODE: 1}, "_system_config": RAY_NODE_DEATH_IN_2_S}
-    cluster = Cluster(initialize_head=True, head_node_args=head)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False, "resources": {ANY_NODE: 1}})
     state = {"cluster": cluster, "shard_node": add_shard_node(cluster)}
     yield state
     cluster.shutdown()
