@@ -105,12 +105,6 @@ def fallbacks(server) -> float:
     return metric_total(scrape_metrics(server.base_url), "knnlm_fallbacks_total")
 
 
-def slow_steps(server) -> float:
-    """kNN steps that took over a second (a search's wait, where one answers in milliseconds)."""
-    metrics = scrape_metrics(server.base_url)
-    return metrics["knnlm_step_seconds_count"] - metrics['knnlm_step_seconds_bucket{le="1.0"}']
-
-
 def complete(server, ids) -> list[int]:
     return greedy(server, ids["prompt"], CONTINUATION).token_ids
 
@@ -162,7 +156,7 @@ def test_a_hot_swap_under_streaming_load_loses_nothing(server, ids):
 def test_the_shard_node_dies_and_comes_back_without_a_restart(server, cluster, ids):
     ray_cluster, shard_node = cluster["cluster"], cluster["shard_node"]
     expected = complete(server, ids)  # whichever version the swap test left serving
-    before, slow_before = fallbacks(server), slow_steps(server)
+    before = fallbacks(server)
 
     def lose_the_node():
         time.sleep(2)
@@ -173,8 +167,6 @@ def test_the_shard_node_dies_and_comes_back_without_a_restart(server, cluster, i
     results, errors = stream_while(server, ids["prompt"], CONTINUATION, lose_the_node)
     assert errors == [] and results, errors  # requests were served LM-only, none failed
     assert fallbacks(server) > before
-    # The step that found the shards gone waited for Ray's error; the steps after it left them out at once.
-    assert slow_steps(server) - slow_before <= 2
 
     new_node = cluster["shard_node"] = add_shard_node(ray_cluster)
     until(lambda: shard_nodes(server) == {new_node.node_id}, 180, "the shards never came back on the new node")

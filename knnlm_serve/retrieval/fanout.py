@@ -4,11 +4,8 @@ Each shard actor is reached through its compiled graph where it has one (graphs.
 plain actor call otherwise. With replicas (`knn.replicas`), a step asks one replica per shard, in
 turn (replicas that failed in the last `SUSPECT_S` seconds last), and each replica it asks gets
 an equal share of what is left of the step's deadline: a dead replica fails at once and the next
-answers. A replica whose search missed its share (a hung actor) is left out of the steps after it,
-without a wait, until that search returns, as the local backend's hung search is; one Ray cannot
-reach (its actor dead, or on a lost node until Ray restarts it elsewhere) until it answers a
-probe. Either costs one step's wait, not every step's. The step falls back only when no replica
-of a shard answered, at once where none could be asked.
+answers; a hung one costs its share of one step, then is asked last. The step falls back only
+when every replica of a shard failed.
 """
 
 from __future__ import annotations
@@ -53,8 +50,6 @@ class RayRetriever:
         self.graphs = GraphPool(knn)
         self._actors: dict[tuple[str, int], list[list]] = {}  # per version: per shard, its replicas
         self._suspect: dict[tuple[str, int, int, int], float] = {}  # (version, shard, replica) -> until when
-        # (version, shard, replica) -> (what it must answer before it is asked again, why it is out)
-        self._out: dict[tuple[str, int, int, int], tuple[object, str]] = {}
         self._row_seconds: dict[tuple[str, int, int, int], float] = {}  # (version, shard, replica) -> search s/row
         self._turn = 0
         self._lock = threading.Lock()
@@ -105,7 +100,7 @@ class RayRetriever:
         deadline = time.monotonic() + self.knn.shard_timeout_s
         self._turn += 1
         orders = [self._order(info.key, index, len(replicas)) for index, replicas in enumerate(actors)]
-        calls = [self._call(info.key, index, order[0], actors, args) if order else None for index, order in enumerate(orders)]
+        calls = [self._call(info.key, index, order[0], actors, args) for index, order in enumerate(orders)]
         return PendingSearch(info, args, deadline, orders, calls)
 
     def result(self, pending: PendingSearch) -> SearchResult:
@@ -115,8 +110,6 @@ class RayRetriever:
         actors, k = self._handles(info), args[1]
         found, seconds, failed, transports = {}, {}, {}, {}
         for index, (shard, order) in enumerate(zip(info.shards, orders)):
-            if not order:  # every replica is out
-                failed[shard] = self._out.get((*info.key, index, 0), (None, "shard_timeout"))[1]
             for attempt, replica in enumerate(order):
                 call = calls[index] if attempt == 0 else self._call(info.key, index, replica, actors, args)
                 # At least READY_GRACE_S: an answer already in is taken even after an earlier shard
@@ -140,42 +133,10 @@ class RayRetriever:
         return SearchResult(distances, tokens, ids, seconds, failed, transports)
 
     def _order(self, key: tuple[str, int], index: int, replicas: int) -> list[int]:
-        """This step's replicas of a shard to ask, in turn, the recently failed ones last; none
-        that is out."""
+        """This step's replicas of a shard, in turn, the recently failed ones last."""
         now = time.monotonic()
         turn = [(self._turn + r) % replicas for r in range(replicas)]
-        asked = [r for r in turn if not self._still_out(key, index, r)]
-        return sorted(asked, key=lambda r: self._suspect.get((*key, index, r), 0.0) > now)
-
-    def _still_out(self, key: tuple[str, int], index: int, replica: int) -> bool:
-        """Whether a replica left out is still owed its answer (a late search still running, or a
-        probe queued while Ray restarts the actor). One that Ray still cannot reach gets a new probe;
-        any other answer or error brings it back."""
-        import ray
-
-        probe, reason = self._out.get((*key, index, replica), (None, ""))
-        if probe is None:
-            return False
-        if not ray.wait([probe], timeout=0, fetch_local=False)[0]:
-            return True
-        try:
-            ray.get(probe, timeout=0)
-        except ray.exceptions.RayActorError:
-            self._leave_out(key, index, replica, reason)
-            return True
-        except ray.exceptions.RayError:
-            pass
-        self._out.pop((*key, index, replica), None)
-        return False
-
-    def _leave_out(self, key: tuple[str, int], index: int, replica: int, reason: str, late=None) -> None:
-        """Ask the replica no more until `late` (its search past the deadline) returns, or without
-        one until it answers a probe."""
-        with self._lock:
-            if key not in self._actors:  # released meanwhile
-                return
-            probe = late if late is not None else self._actors[key][index][replica].describe.options(enable_task_events=False).remote()
-            self._out[(*key, index, replica)] = (probe, reason)
+        return sorted(turn, key=lambda r: self._suspect.get((*key, index, r), 0.0) > now)
 
     def _call(self, key: tuple[str, int], index: int, replica: int, actors: list[list], args: tuple):
         """Start one replica's search: through its graph when it has one, else a plain call."""
@@ -210,12 +171,10 @@ class RayRetriever:
         except ray.exceptions.RayError as e:
             timed_out = isinstance(e, (ray.exceptions.RayChannelTimeoutError, ray.exceptions.GetTimeoutError))
             self._suspect[(*key, index, replica)] = time.monotonic() + SUSPECT_S
-            if graph is not None:  # its next call is a plain one, which leaves it out if it fails too
+            if graph is not None:
                 self.graphs.drop(key, (index, replica), graph)
             elif timed_out:
-                self._leave_out(key, index, replica, "shard_timeout", late=ref)
-            elif isinstance(e, ray.exceptions.RayActorError):  # not an error of the search: Ray cannot reach the actor
-                self._leave_out(key, index, replica, "shard_error")
+                ray.cancel(ref)
             return None, "shard_timeout" if timed_out else "shard_error"
 
     def _note_search_time(self, replica: tuple, seconds: float, rows: int) -> None:
@@ -229,6 +188,5 @@ class RayRetriever:
             for key in set(self._actors) - keep:
                 del self._actors[key]
             self._suspect = {s: until for s, until in self._suspect.items() if s[:2] in keep}
-            self._out = {r: out for r, out in self._out.items() if r[:2] in keep}
             self._row_seconds = {r: t for r, t in self._row_seconds.items() if r[:2] in keep}
         self.graphs.release(keep)
