@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
+import time
+
+import pytest
+from conftest import TINY_SERVER, starting, until
+
+from index_builder.build import build_datastore
+from knnlm_core.config import BuildConfig
+from knnlm_serve.server.process import RunningServer
 
 
 def test_packages_import():
@@ -52,8 +61,6 @@ def test_serving_a_non_causal_lm_fails_clearly(tmp_path):
 def test_a_port_in_use_is_refused_naming_it_before_ray_starts():
     """The launcher holds its port while Ray starts (whose services take free ports at random);
     one it cannot bind is a clear error, not a server that another process answers for."""
-    import socket
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -62,3 +69,23 @@ def test_a_port_in_use_is_refused_naming_it_before_ray_starts():
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert f"port: 127.0.0.1:{port} cannot be bound" in result.stderr and "Started a local Ray instance" not in result.stderr
+
+
+@pytest.mark.slow
+def test_no_other_process_can_take_the_port_from_before_ray_starts_until_vllm_binds_it(tiny_model_dir, tmp_path):
+    """Ray's services and a server's shard actors bind and connect on free ports while it starts;
+    its own port stays bound by the launcher until vLLM binds it, so none of them gets it."""
+    (tmp_path / "a.txt").write_text("The ferry leaves the third pier at dawn.")
+    build_datastore([tmp_path / "a.txt"], tmp_path / "a", tiny_model_dir, BuildConfig(index="flat"), progress=False)
+    server = RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": {"datastores": {"a": str(tmp_path / "a")}}}, tmp_path)
+    log, probes = tmp_path / "serve.log", 0
+    with starting(server) as start:
+        until(lambda: "shard actors: Ray at" in log.read_text(), 300, "Ray never started")
+        while "let go for vLLM to bind" not in log.read_text() and not start.done():
+            with socket.socket() as other:  # as another process would bind it, or connect from it
+                with pytest.raises(OSError, match="Address already in use"):
+                    other.bind(("127.0.0.1", server.port))
+            probes += 1
+            time.sleep(0.05)
+        assert start.result().port == server.port
+    assert probes > 0

@@ -17,9 +17,8 @@ import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
 
 from knnlm_core.config import ServeConfig
@@ -154,24 +153,23 @@ def in_background(work: Callable[[], None], name: str) -> Future:
     return future
 
 
-@contextmanager
-def port_held(host: str, port: int) -> Iterator[None]:
-    """Hold the server's port while Ray starts. Ray's services take free ports as they start, and the kernel may
-    hand out ours, which then answers our clients until vLLM fails to bind it (vLLM binds before its own engine
-    starts for the same reason: vllm-project/vllm#8204). The shard actors later listen in Ray's worker port range."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as held:
-        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            held.bind((host, port))
-        except OSError as e:
-            raise ConfigError(
-                f"port: {host}:{port} cannot be bound ({e.strerror}); choose another port (port in the config, or --port)"
-            ) from e
-        yield
+def hold_port(host: str, port: int) -> socket.socket:
+    """The server's port, bound here until vLLM binds it. Ray's services and actors take ports as they
+    start, and the kernel may hand out ours to one of them, which then answers our clients or makes vLLM's
+    bind fail (vLLM binds before its own engine starts for the same reason: vllm-project/vllm#8204)."""
+    held = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        held.bind((host, port))
+    except OSError as e:
+        held.close()
+        raise ConfigError(f"port: {host}:{port} cannot be bound ({e.strerror}); choose another port (port in the config, or --port)") from e
+    return held
 
 
-def run_vllm_server(argv: list[str]) -> None:
-    """Run vLLM's own OpenAI server in this process, as `vllm serve` would."""
+def run_vllm_server(argv: list[str], held: socket.socket | None = None) -> None:
+    """Run vLLM's own OpenAI server in this process, as `vllm serve` would. `held` (the port, from
+    `hold_port`) is let go once vLLM is imported, just before vLLM binds it."""
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -184,6 +182,9 @@ def run_vllm_server(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
+    if held is not None:
+        logger.info("port %s:%d: let go for vLLM to bind", args.host, args.port)
+        held.close()
     uvloop.run(run_server(args))
 
 
@@ -242,10 +243,10 @@ def run(args: argparse.Namespace) -> None:
             atexit.register(shutil.rmtree, os.environ["PROMETHEUS_MULTIPROC_DIR"], ignore_errors=True)
         check_accelerator()
         model_dir = model_dir_for(config.model)
-        argv = vllm_server_argv(config, str(model_dir))
+        argv, held = vllm_server_argv(config, str(model_dir)), None
         if config.knn.datastores:
-            with port_held(config.host, config.port):
-                argv += start_knn(config, model_dir)
+            held = hold_port(config.host, config.port)  # before Ray starts
+            argv += start_knn(config, model_dir)
         else:
             logger.warning(
                 "no knn.datastores configured%s: serving the plain LM, without kNN or the admin API; "
@@ -254,7 +255,7 @@ def run(args: argparse.Namespace) -> None:
             )
     except KnnlmError as e:
         sys.exit(f"knnlm-serve: error: {e}")
-    run_vllm_server(argv)
+    run_vllm_server(argv, held)
 
 
 if __name__ == "__main__":

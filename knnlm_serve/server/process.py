@@ -1,6 +1,7 @@
 """A `knnlm-serve` server in a child process, and its Prometheus metrics: what tests and load tests drive.
 
-`RunningServer` starts the launcher on a config dict (port chosen free unless given), waits until
+`RunningServer` starts the launcher on a config dict (port chosen free unless given, and chosen
+again where another process bound it before the launcher did), waits until
 the OpenAI API answers, and stops the whole process group on exit (vLLM's engine, Ray's local
 cluster). `scrape_metrics` reads `/metrics` into {series: value}.
 """
@@ -26,24 +27,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """The port a `RunningServer` chose was bound by another process before its launcher bound it."""
+
+
 class RunningServer:
     def __init__(
         self, config: dict, workdir: Path, startup_timeout: float = 900, env: dict[str, str] | None = None, api_key: str | None = None
     ):
-        import yaml
-
         self.env = {**os.environ, **(env or {})}
         self.api_key = api_key  # the key its clients send (a tenant's, where the server has knn.keys_file)
 
-        self.port = config.get("port") or free_port()
-        self.config = {**config, "port": self.port, "host": "127.0.0.1"}
+        self.chosen_port = not config.get("port")  # a free one, chosen here: taken meanwhile, another is chosen
         self.config_path = workdir / "serve.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))  # keep the datastores in order: the first is the default
         self.log_path = workdir / "serve.log"
         self.startup_timeout = startup_timeout
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self._set_port(config, config.get("port") or free_port())
+
+    def _set_port(self, config: dict, port: int) -> None:
+        import yaml
+
+        self.port = port
+        self.config = {**config, "port": port, "host": "127.0.0.1"}
+        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))  # keep the datastores in order: the first is the default
+        self.base_url = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> RunningServer:
+        for tries_left in (2, 1, 0):
+            try:
+                return self._start()
+            except PortTaken:
+                if not (self.chosen_port and tries_left):
+                    raise
+                self._set_port(self.config, free_port())
+
+    def _start(self) -> RunningServer:
+        """Start the launcher and wait until it serves; `PortTaken` where another process bound the
+        port this object chose between its choice and the launcher's bind."""
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "knnlm_serve.server.launcher", "--config", str(self.config_path)],
@@ -55,6 +75,9 @@ class RunningServer:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._log.close()
+                if f"port: 127.0.0.1:{self.port} cannot be bound" in self.log_tail():
+                    raise PortTaken(f"server exited: its port was taken:\n{self.log_tail()}")
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 models = urllib.request.Request(f"{self.base_url}/v1/models", headers=self.auth_headers())
