@@ -71,30 +71,27 @@ def starting(server: RunningServer) -> Iterator[Future]:
             server.__exit__(None, None, None)
 
 
-# Modules that time nothing, stop no process of another's and serve through no Ray shard deadline.
-# With test_soak.py selected they run first, in this order, while its five minutes go on in the
-# background, then test_soak.py waits for the soak's end, and the other modules run after it. The
-# first ones leave a core idle (one process at a time: the builder's commands), which the soak takes;
-# test_architectures, which keeps both busy, runs after the soak.
+# Modules that time nothing and stop no process of another's. With test_soak.py selected they run
+# first, while its five minutes go on in the background, then test_soak.py waits for the soak's
+# end, and the modules that time deadlines or kill processes and nodes run after it.
 BESIDE_THE_SOAK = (
-    "test_index_builder",
-    "test_living_datastores",
-    "test_model",
-    "test_eval_tasks",
-    "test_explain",
-    "test_ui",
+    "test_architectures",
     "test_calibration",
     "test_doc_items",
     "test_docs",
     "test_engine_units",
     "test_eval",
+    "test_eval_tasks",
+    "test_explain",
     "test_interpolate",
     "test_keys_file",
     "test_layout",
+    "test_model",
     "test_passages",
     "test_search",
     "test_setup",
     "test_task_items",
+    "test_ui",
     "test_uploads",
 )
 SOAK = "test_soak"
@@ -102,8 +99,7 @@ SOAK = "test_soak"
 
 def pytest_collection_modifyitems(items) -> None:
     if any(item.path.stem == SOAK for item in items):
-        beside = {module: i for i, module in enumerate(BESIDE_THE_SOAK)}
-        items.sort(key=lambda item: (0, beside[item.path.stem]) if item.path.stem in beside else (1 if item.path.stem == SOAK else 2, 0))
+        items.sort(key=lambda item: 0 if item.path.stem in BESIDE_THE_SOAK else 1 if item.path.stem == SOAK else 2)
 
 
 @pytest.fixture(scope="session", autouse=True)
