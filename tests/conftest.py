@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,44 +57,18 @@ def admin_knn(root: Path, token: str, **settings) -> dict:
 
 
 @contextlib.contextmanager
-def starting(server: RunningServer, prepare: Callable[[], object] = lambda: None) -> Iterator[Future]:
-    """`server` starting in the background, after `prepare()` (building what it serves), and stopped
-    on exit: a start is mostly one process at a time importing vLLM, so another server's start or
-    tests can use the other core meanwhile. The future's result is the running server, or the
-    error of the preparation or the start."""
-
-    def start_after_preparing() -> RunningServer:
-        prepare()
-        return server.__enter__()
-
+def starting(server: RunningServer) -> Iterator[Future]:
+    """`server` starting in the background, and stopped on exit: a start is mostly one process at
+    a time importing vLLM, so another server's start or tests can use the other core meanwhile.
+    The future's result is the running server, or the start's error."""
     pool = ThreadPoolExecutor(1)
-    start = pool.submit(start_after_preparing)
+    start = pool.submit(server.__enter__)
     pool.shutdown(wait=False)
     try:
         yield start
     finally:  # on an error too: a server left running outlives the session, engine and Ray with it
         if start.exception() is None:  # waits for the start; one that failed has stopped its process already
             server.__exit__(None, None, None)
-
-
-def in_a_process(function: Callable, *args) -> Future:
-    """`function(*args)` in a fresh process: transformers loads models through global state, so a
-    build beside the tests' own model loads must not share their process."""
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    done = pool.submit(function, *args)
-    pool.shutdown(wait=False)
-    return done
-
-
-@contextlib.contextmanager
-def started(start: Future) -> Iterator[RunningServer]:
-    """The server of `starting`'s future once it serves, stopped on exit: with the module that uses
-    it, where a session fixture started it ahead of that module (`STARTS_AHEAD`)."""
-    server = start.result()
-    try:
-        yield server
-    finally:
-        server.__exit__(None, None, None)
 
 
 # Modules that time nothing and stop no process of another's. With test_soak.py selected they run
@@ -127,21 +100,6 @@ SOAK = "test_soak"
 def pytest_collection_modifyitems(items) -> None:
     if any(item.path.stem == SOAK for item in items):
         items.sort(key=lambda item: 0 if item.path.stem in BESIDE_THE_SOAK else 1 if item.path.stem == SOAK else 2)
-
-
-# Modules that run one process at a time and time nothing, and the module after each: its servers
-# start in the background (the session fixture named here) on the core the first leaves idle.
-STARTS_AHEAD = {
-    "test_index_builder": ("test_knn_serving", "knn_serving_starts"),
-    "test_living_datastores": ("test_living_serving", "living_serving_start"),
-}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def start_ahead(request) -> None:
-    module, fixture = STARTS_AHEAD.get(request.path.stem, ("", ""))
-    if any(item.path.stem == module for item in request.session.items):
-        request.getfixturevalue(fixture)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -176,7 +134,7 @@ def soak_run(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[subprocess.Pope
 @pytest.fixture(scope="session")
 def plain_tiny_start(tiny_model_dir, tmp_path_factory):
     """Stock vLLM behaviour: the tiny model served with no datastore, starting in the background
-    from the setup of the first module that asks for it (with test_knn_serving's two servers)."""
+    from the setup of the first module that asks for it (test_knn_serving's, beside its own two)."""
     with starting(RunningServer({**TINY_SERVER, "model": str(tiny_model_dir)}, tmp_path_factory.mktemp("plain"))) as start:
         yield start
 
@@ -184,28 +142,6 @@ def plain_tiny_start(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def plain_tiny_server(plain_tiny_start):
     return plain_tiny_start.result()
-
-
-@pytest.fixture(scope="session")
-def knn_serving_starts(tiny_model_dir, tmp_path_factory, plain_tiny_start):
-    """test_knn_serving's reference and fast servers (tests/knn_servers.py), their datastores built
-    and both started in the background, beside the plain server's start."""
-    import knn_servers as shared
-
-    with shared.starting_both(tmp_path_factory.mktemp("knn"), tmp_path_factory.mktemp("fast"), tiny_model_dir) as starts:
-        yield starts
-
-
-@pytest.fixture(scope="session")
-def living_serving_start(tiny_model_dir, tmp_path_factory):
-    """test_living_serving's server (tests/living_server.py), its datastores built and the server
-    started in the background."""
-    import living_server as shared
-
-    root = tmp_path_factory.mktemp("living")
-    built = in_a_process(shared.build, root, tiny_model_dir)
-    with starting(RunningServer(shared.config(root, tiny_model_dir), root), prepare=built.result) as start:
-        yield start
 
 
 @pytest.fixture(scope="session")

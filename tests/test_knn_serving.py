@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -9,12 +10,19 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
-from conftest import greedy, prompt_logprobs, started
-from knn_servers import PREFIX, TEXT_A, TEXT_B, K
+from conftest import STRICT_KNN, TINY_SERVER, greedy, prompt_logprobs, starting
 
-from knnlm_serve.server.process import metric_total, scrape_metrics
+from index_builder.build import build_datastore
+from knnlm_core.config import BuildConfig
+from knnlm_serve.server.process import RunningServer, metric_total, scrape_metrics
 
 pytestmark = pytest.mark.slow
+
+# Two texts that continue the same prefix differently, each memorised by its own datastore.
+PREFIX = "The archive of the northern observatory records that on the first night of winter"
+TEXT_A = PREFIX + " the astronomers saw a green comet pass slowly below the pole star, and they wrote its path in red ink."
+TEXT_B = PREFIX + " a storm broke every window of the east tower, and the great brass telescope was never used again."
+K = 8
 
 
 @pytest.fixture(scope="module")
@@ -26,17 +34,60 @@ def token_ids(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def knn_server(knn_serving_starts):
-    """The reference server (tests/knn_servers.py): plain actor calls, searches after the logits."""
-    with started(knn_serving_starts.reference) as server:
+def knn_settings(tiny_model_dir, tmp_path_factory) -> dict:
+    """The reference server's kNN settings, over three datastores built here."""
+    work = tmp_path_factory.mktemp("knn")
+    config = BuildConfig(index="flat", context_length=128, stride=64)
+    for name, text, shards in (("a", TEXT_A, 1), ("a3", TEXT_A, 3), ("b", TEXT_B, 1)):
+        (work / f"{name}.txt").write_text(text)
+        build_datastore([work / f"{name}.txt"], work / name, tiny_model_dir, config.model_copy(update={"shards": shards}), progress=False)
+    return {
+        "datastores": {n: str(work / n) for n in ("a", "a3", "b")},
+        "default_datastore": "a",
+        "k": K,
+        "max_k": 64,
+        "lambda": 0.25,
+        # λ ≈ 1 when the nearest key is (almost) the query itself, ≈ 0 far away
+        "adaptive_lambda": {"b": {"lambda_max": 1.0, "slope": 1.0, "center": 20.0}},
+        "overlap": False,  # searches after the logits, only of the rows the skip rule keeps: the reference for overlap
+        "compiled_graphs": False,  # plain actor calls: the reference for compiled graphs
+        # A reference row must never be served LM-only: while the fast server tears down its idle
+        # compiled graphs, both cores are busy, and a shard's answer took over the default 10 s.
+        "shard_timeout_s": 120.0,
+        **STRICT_KNN,
+    }
+
+
+@pytest.fixture(scope="module")
+def fast_start(knn_settings, tiny_model_dir, tmp_path_factory, plain_tiny_start):
+    """The reference server's datastores and settings with each of its references turned on:
+    searches started mid-forward (knn.overlap, under vLLM's compiled graph), shards reached
+    through Ray Compiled Graphs, and vLLM's prompt-lookup (`ngram`) speculative decoding. One
+    server for the three comparisons (an engine start is the suite's largest cost), starting
+    beside the reference server's start and tests, as the plain server does (`plain_tiny_start`)."""
+    drafts = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    knn = {**knn_settings, "overlap": True, "compiled_graphs": True}
+    config = {
+        **TINY_SERVER,
+        "enforce_eager": False,
+        "model": str(tiny_model_dir),
+        "knn": knn,
+        "vllm_args": ["--speculative-config", json.dumps(drafts)],
+    }
+    with starting(RunningServer(config, tmp_path_factory.mktemp("fast"))) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def knn_server(knn_settings, fast_start, tiny_model_dir):
+    work = Path(knn_settings["datastores"]["a"]).parent
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn_settings}, work) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def fast_server(knn_serving_starts):
-    """The reference server's datastores and settings with each of its references turned on."""
-    with started(knn_serving_starts.fast) as server:
-        yield server
+def fast_server(fast_start):
+    return fast_start.result()
 
 
 def complete(server, prompt, max_tokens=16, **xargs):

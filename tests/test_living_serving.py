@@ -16,29 +16,38 @@ import numpy as np
 import psutil
 import pytest
 import requests
-from conftest import continuations, greedy, started, stream_while, until
-from living_server import TOKEN
+from conftest import TINY_SERVER, admin_knn, continuations, greedy, stream_while, until
+from test_index_builder import write_corpus
 from test_living_datastores import document_keys, held_near, nearest
 
+from index_builder.build import build_datastore
+from knnlm_core.config import BuildConfig
 from knnlm_core.datastore import manifest_sha256, read_manifest
+from knnlm_serve.server.process import RunningServer
 
 pytestmark = pytest.mark.slow
 
+TOKEN = "s3cret"
 PREFIX = "The vault under the old lighthouse opens only when the keeper says the words"
 FACT = PREFIX + " zebra quartz maple lantern orbit velvet cobalt thistle ember falcon nimbus quill."
 LENGTH = 12
 
 
 @pytest.fixture(scope="module")
-def server(living_serving_start):
-    with started(living_serving_start) as server:
-        yield server
+def root(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("living")
+    corpus = write_corpus(root / "corpus")
+    config = BuildConfig(context_length=128, stride=64, shards=2, batch_size=4)
+    build_datastore([corpus], root / "flat", tiny_model_dir, config.model_copy(update={"index": "flat"}), progress=False)
+    build_datastore([corpus], root / "pq", tiny_model_dir, config.model_copy(update={"index": "ivfpq"}), progress=False)
+    return root
 
 
 @pytest.fixture(scope="module")
-def root(server) -> Path:
-    """The datastore root: the corpus, the datastores `flat` and `pq` (tests/living_server.py)."""
-    return Path(server.config["knn"]["datastore_root"])
+def server(tiny_model_dir, root):
+    knn = admin_knn(root, TOKEN, datastores={"flat": str(root / "flat"), "pq": str(root / "pq")}, replicas=2, follow_changes_s=1.0)
+    with RunningServer({**TINY_SERVER, "model": str(tiny_model_dir), "knn": knn}, root) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
